@@ -1,0 +1,1 @@
+"""radixlm: LM programs on a radix-tree KV cache runtime."""
