@@ -1,0 +1,437 @@
+"""Batched next-token sampling over a (B, V) logits tensor.
+
+Pipeline per row, in this order (all in fp32):
+
+1. penalties over the tokens the row has *generated so far* (prompt tokens are not counted,
+   unlike HF/vLLM whose repetition penalty also covers the prompt):
+   - repetition (HF/vLLM/CTRL): a seen token's logit is divided by ``repetition_penalty`` when
+     positive and multiplied by it when negative;
+   - frequency / presence (OpenAI): ``logit -= count * frequency_penalty
+     + (count > 0) * presence_penalty``;
+2. min_new_tokens: the caller's ``eos_ids_to_block`` tokens are set to ``-inf``;
+3. greedy rows (``SamplingParams.is_greedy``) take the argmax here, deterministically;
+4. sampled rows: divide by temperature, softmax, then top-k, top-p (on the top-k-renormalized
+   distribution, as HF/vLLM), min-p (relative to the top probability), and draw one token.
+   The top-1 token always survives the filters, so a row never becomes empty or NaN.
+
+Rows with a ``torch.Generator`` draw with it alone (``torch.multinomial`` over the row's own
+probabilities in vocabulary order), so a fixed seed gives the same tokens whatever else is in
+the batch; the caller keeps one generator per request across steps (see ``make_generator``).
+Other rows share one batched exponential race (Gumbel-max), which needs no host sync.
+
+Logprobs are ``log_softmax`` of the RAW logits (before penalties, temperature and filters),
+in fp32. This is vLLM's default (``raw_logprobs``) and SGLang's greedy path; note that recent
+SGLang reports temperature-scaled logprobs for sampled rows unless
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request; any Python int is accepted (taken mod 2**64)."""
+    g = torch.Generator(device=torch.device(device))
+    g.manual_seed(int(seed) % (1 << 64))
+    return g
+
+
+@dataclass
+class SampleOutput:
+    """Result of one sampling step, as plain Python lists (one entry per row)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling state for a batch; build it with ``SamplingBatch.build``.
+
+    Tensors for temperature / top-k / top-p / min-p cover only the rows that sample
+    (``sample_rows``); an all-greedy batch holds none of them. Penalties are kept sparse, one
+    entry per distinct (row, token) pair among the rows' generated tokens.
+    """
+
+    batch_size: int
+    vocab_size: int
+    device: torch.device
+    is_greedy: list[bool]
+    all_greedy: bool
+    # -- sampled rows (None / empty when all_greedy) --
+    sample_rows: torch.Tensor | None  # (S,) int64, row index in the batch
+    temperatures: torch.Tensor | None  # (S, 1) fp32
+    top_ks: torch.Tensor | None  # (S,) int64, vocab_size when off
+    top_ps: torch.Tensor | None  # (S,) fp32
+    min_ps: torch.Tensor | None  # (S,) fp32
+    need_temperature: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    sort_width: int  # columns kept by the sort/top-k stage
+    seeded: list[tuple[int, torch.Generator]]  # (position among sampled rows, generator)
+    unseeded_pos: torch.Tensor | None  # (U,) positions among sampled rows; None = all of them
+    # -- penalties (None when no row uses one) --
+    need_penalties: bool
+    penalty_rows: torch.Tensor | None  # (P,) int64
+    penalty_tokens: torch.Tensor | None  # (P,) int64
+    penalty_counts: torch.Tensor | None  # (P,) fp32, occurrences of the token in the row
+    repetition_penalties: torch.Tensor | None  # (P,) fp32, the pair's row value
+    frequency_penalties: torch.Tensor | None  # (P,) fp32
+    presence_penalties: torch.Tensor | None  # (P,) fp32
+    # -- min_new_tokens masking (None when nothing is blocked) --
+    block_rows: torch.Tensor | None
+    block_tokens: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None] | None,
+        vocab_size: int,
+        device: torch.device | str,
+        eos_ids_to_block: Sequence[Sequence[int]] | None = None,
+    ) -> "SamplingBatch":
+        """Gather one step's per-row parameters into tensors on ``device``.
+
+        ``output_ids[i]``: tokens row i has generated so far (for penalties).
+        ``generators[i]``: the row's generator if its request is seeded, else None.
+        ``eos_ids_to_block[i]``: tokens to forbid this step (row below min_new_tokens).
+        """
+        device = torch.device(device)
+        b = len(params)
+        if len(output_ids) != b:
+            raise ValueError(f"output_ids has {len(output_ids)} rows, params has {b}")
+        if generators is None:
+            generators = [None] * b
+        elif len(generators) != b:
+            raise ValueError(f"generators has {len(generators)} rows, params has {b}")
+        if eos_ids_to_block is not None and len(eos_ids_to_block) != b:
+            raise ValueError(
+                f"eos_ids_to_block has {len(eos_ids_to_block)} rows, params has {b}"
+            )
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+
+        is_greedy = [p.is_greedy for p in params]
+        rows = [i for i in range(b) if not is_greedy[i]]
+        all_greedy = not rows
+
+        sample_rows = temperatures = top_ks = top_ps = min_ps = unseeded_pos = None
+        need_temperature = need_top_k = need_top_p = need_min_p = False
+        sort_width = vocab_size
+        seeded: list[tuple[int, torch.Generator]] = []
+        if rows:
+            sp = [params[i] for i in rows]
+            ks = [vocab_size if (p.top_k == -1 or p.top_k >= vocab_size) else p.top_k for p in sp]
+            need_temperature = any(p.temperature != 1.0 for p in sp)
+            need_top_k = any(k < vocab_size for k in ks)
+            need_top_p = any(p.top_p < 1.0 for p in sp)
+            need_min_p = any(p.min_p > 0.0 for p in sp)
+            if need_top_k or need_top_p:
+                # Every sampled row keeps at most max(k) tokens, so a partial top-k suffices.
+                sort_width = max(ks)
+            sample_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            temperatures = torch.tensor(
+                [p.temperature for p in sp], dtype=torch.float32, device=device
+            ).unsqueeze(1)
+            top_ks = torch.tensor(ks, dtype=torch.int64, device=device)
+            top_ps = torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=device)
+            min_ps = torch.tensor([p.min_p for p in sp], dtype=torch.float32, device=device)
+            unseeded: list[int] = []
+            for pos, i in enumerate(rows):
+                g = generators[i]
+                if g is None:
+                    unseeded.append(pos)
+                else:
+                    if g.device.type != device.type:
+                        raise ValueError(
+                            f"generator of row {i} is on {g.device}, logits are on {device}"
+                        )
+                    seeded.append((pos, g))
+            if seeded:
+                unseeded_pos = torch.tensor(unseeded, dtype=torch.int64, device=device)
+
+        # Penalties: one entry per distinct (row, token) among generated tokens.
+        pen_rows = [
+            i
+            for i, p in enumerate(params)
+            if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0)
+            and len(output_ids[i]) > 0
+        ]
+        need_penalties = bool(pen_rows)
+        penalty_rows = penalty_tokens = penalty_counts = None
+        rep = freq = pres = None
+        if need_penalties:
+            keys: list[int] = []
+            for i in pen_rows:
+                base = i * vocab_size
+                for t in output_ids[i]:
+                    if not 0 <= t < vocab_size:
+                        raise ValueError(
+                            f"output token id {t} of row {i} is outside the vocab [0, {vocab_size})"
+                        )
+                    keys.append(base + t)
+            # Built on the host (no device sync), then copied once.
+            uniq, counts = torch.unique(torch.tensor(keys, dtype=torch.int64), return_counts=True)
+            prow = uniq // vocab_size
+            rp = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+            fp = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+            pp = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+            penalty_rows = prow.to(device)
+            penalty_tokens = (uniq % vocab_size).to(device)
+            penalty_counts = counts.to(torch.float32).to(device)
+            rep = rp[prow].to(device)
+            freq = fp[prow].to(device)
+            pres = pp[prow].to(device)
+
+        block_rows = block_tokens = None
+        if eos_ids_to_block is not None:
+            br: list[int] = []
+            bt: list[int] = []
+            for i, toks in enumerate(eos_ids_to_block):
+                for t in toks:
+                    if not 0 <= t < vocab_size:
+                        raise ValueError(
+                            f"eos id {t} to block in row {i} is outside the vocab [0, {vocab_size})"
+                        )
+                    br.append(i)
+                    bt.append(t)
+            if br:
+                block_rows = torch.tensor(br, dtype=torch.int64, device=device)
+                block_tokens = torch.tensor(bt, dtype=torch.int64, device=device)
+
+        return cls(
+            batch_size=b,
+            vocab_size=vocab_size,
+            device=device,
+            is_greedy=is_greedy,
+            all_greedy=all_greedy,
+            sample_rows=sample_rows,
+            temperatures=temperatures,
+            top_ks=top_ks,
+            top_ps=top_ps,
+            min_ps=min_ps,
+            need_temperature=need_temperature,
+            need_top_k=need_top_k,
+            need_top_p=need_top_p,
+            need_min_p=need_min_p,
+            sort_width=sort_width,
+            seeded=seeded,
+            unseeded_pos=unseeded_pos,
+            need_penalties=need_penalties,
+            penalty_rows=penalty_rows,
+            penalty_tokens=penalty_tokens,
+            penalty_counts=penalty_counts,
+            repetition_penalties=rep,
+            frequency_penalties=freq,
+            presence_penalties=pres,
+            block_rows=block_rows,
+            block_tokens=block_tokens,
+        )
+
+
+def apply_penalties_and_blocks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Steps 1-2: fp32 logits after penalties and min_new_tokens blocking.
+
+    Never modifies ``logits``; returns it cast to fp32 (a new tensor if anything changed).
+    """
+    if not batch.need_penalties and batch.block_rows is None:
+        return logits.float()
+    x = logits.to(torch.float32, copy=True)
+    if batch.need_penalties:
+        r, t = batch.penalty_rows, batch.penalty_tokens
+        v = x[r, t]
+        rp = batch.repetition_penalties
+        v = torch.where(v > 0, v / rp, v * rp)
+        v = v - batch.penalty_counts * batch.frequency_penalties - batch.presence_penalties
+        x[r, t] = v
+    if batch.block_rows is not None:
+        x[batch.block_rows, batch.block_tokens] = _NEG_INF
+    return x
+
+
+def _finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """Make every row softmax-able without a host sync.
+
+    A row whose max is +inf keeps only its +inf tokens; a row that is all -inf (everything
+    masked) or has NaN becomes uniform. Finite rows are unchanged.
+    """
+    row_max = x.max(dim=-1, keepdim=True).values
+    ok = torch.isfinite(row_max)
+    fallback = torch.where(
+        (x == row_max) | torch.isnan(row_max),
+        torch.zeros((), dtype=x.dtype, device=x.device),
+        torch.full((), _NEG_INF, dtype=x.dtype, device=x.device),
+    )
+    return torch.where(ok, x, fallback)
+
+
+def _filtered_weights(
+    x: torch.Tensor, batch: SamplingBatch
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step 4 before the draw, for the sampled rows ``x`` (S, V) of the penalized logits.
+
+    Returns (weights, index): unnormalized probabilities with filtered tokens at 0, and, when
+    they are in sorted order, the (S, W) vocab ids of each column (``index`` is None when the
+    weights are already in vocab order).
+    """
+    x = _finite_rows(x)
+    if batch.need_temperature:
+        x = x / batch.temperatures
+    probs = torch.softmax(x, dim=-1)
+    if not (batch.need_top_k or batch.need_top_p):
+        if batch.need_min_p:
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < batch.min_ps.unsqueeze(1) * top, 0.0)
+        return probs, None
+
+    w = batch.sort_width
+    if w < batch.vocab_size:
+        vals, idx = probs.topk(w, dim=-1, largest=True, sorted=True)
+    else:
+        vals, idx = probs.sort(dim=-1, descending=True, stable=True)
+    if batch.need_top_k:
+        cols = torch.arange(vals.shape[1], device=vals.device)
+        vals = vals.masked_fill(cols.unsqueeze(0) >= batch.top_ks.unsqueeze(1), 0.0)
+    if batch.need_top_p:
+        cum = vals.cumsum(dim=-1)
+        total = cum[:, -1:]
+        before = torch.cat([torch.zeros_like(total), cum[:, :-1]], dim=1)
+        # Rows with top_p == 1 skip the test: float saturation of the cumsum would otherwise
+        # drop far-tail tokens.
+        limit = torch.where(
+            batch.top_ps.unsqueeze(1) < 1.0,
+            batch.top_ps.unsqueeze(1) * total,
+            torch.full_like(total, float("inf")),
+        )
+        vals = vals.masked_fill(before >= limit, 0.0)
+    if batch.need_min_p:
+        vals = vals.masked_fill(vals < batch.min_ps.unsqueeze(1) * vals[:, :1], 0.0)
+    return vals, idx
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The normalized (B, V) distribution each row samples from; one-hot for greedy rows.
+
+    For tests and debugging; ``sample`` does not materialize this.
+    """
+    x = apply_penalties_and_blocks(logits, batch)
+    out = torch.zeros_like(x)
+    out.scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+    if batch.all_greedy:
+        return out
+    w, idx = _filtered_weights(x.index_select(0, batch.sample_rows), batch)
+    if idx is not None:
+        w = torch.zeros_like(x[: w.shape[0]]).scatter_(1, idx, w)
+    out[batch.sample_rows] = w / w.sum(dim=-1, keepdim=True)
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    top_logprobs_num: int | Sequence[int] = 0,
+    return_logprob: bool = False,
+) -> SampleOutput:
+    """Draw one token per row of ``logits`` (B, V), fp32 or bf16.
+
+    ``top_logprobs_num`` may be one int for all rows or one per row; ``top_logprobs[i]`` is
+    sorted by descending logprob. Logprobs come from the raw logits (see module docstring).
+    """
+    if logits.dim() != 2 or logits.shape[0] != batch.batch_size:
+        raise ValueError(
+            f"logits must have shape ({batch.batch_size}, V), got {tuple(logits.shape)}"
+        )
+    if logits.shape[1] != batch.vocab_size:
+        raise ValueError(
+            f"logits have {logits.shape[1]} columns, the batch was built for {batch.vocab_size}"
+        )
+
+    if not batch.need_penalties and batch.block_rows is None and batch.all_greedy:
+        # Fast path: argmax is exact in the input dtype, no cast needed.
+        tokens = logits.argmax(dim=-1)
+    else:
+        x = apply_penalties_and_blocks(logits, batch)
+        tokens = x.argmax(dim=-1)
+        if not batch.all_greedy:
+            _sample_rows(x, batch, tokens)
+
+    token_ids = tokens.tolist()
+    return _with_logprobs(logits, token_ids, tokens, top_logprobs_num, return_logprob)
+
+
+def _sample_rows(x: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) -> None:
+    """Overwrite ``tokens`` at the sampled rows with their draws."""
+    weights, idx = _filtered_weights(x.index_select(0, batch.sample_rows), batch)
+    picked = torch.empty(weights.shape[0], dtype=torch.int64, device=weights.device)
+
+    if batch.unseeded_pos is None or batch.unseeded_pos.numel() > 0:
+        w = weights if batch.unseeded_pos is None else weights.index_select(0, batch.unseeded_pos)
+        # Exponential race: argmax(w / E) with E ~ Exp(1) picks i with probability w_i / sum(w).
+        # The clamp keeps a zero draw from turning a filtered token (w = 0) into 0/0 = NaN.
+        e = torch.empty_like(w).exponential_().clamp_(min=torch.finfo(w.dtype).tiny)
+        choice = (w / e).argmax(dim=-1)
+        if idx is not None:
+            i = idx if batch.unseeded_pos is None else idx.index_select(0, batch.unseeded_pos)
+            choice = i.gather(1, choice.unsqueeze(1)).squeeze(1)
+        if batch.unseeded_pos is None:
+            picked = choice
+        else:
+            picked.index_copy_(0, batch.unseeded_pos, choice)
+
+    for pos, gen in batch.seeded:
+        row = weights[pos]
+        if idx is not None:
+            # Back to vocab order so the draw does not depend on the batch's sort width.
+            row = torch.zeros(batch.vocab_size, dtype=row.dtype, device=row.device).scatter_(
+                0, idx[pos], row
+            )
+        picked[pos] = torch.multinomial(row, 1, generator=gen)[0]
+
+    tokens.index_copy_(0, batch.sample_rows, picked)
+
+
+def _with_logprobs(
+    logits: torch.Tensor,
+    token_ids: list[int],
+    tokens: torch.Tensor,
+    top_logprobs_num: int | Sequence[int],
+    return_logprob: bool,
+) -> SampleOutput:
+    b, v = logits.shape
+    if isinstance(top_logprobs_num, int):
+        nums = [top_logprobs_num] * b
+    else:
+        nums = list(top_logprobs_num)
+        if len(nums) != b:
+            raise ValueError(f"top_logprobs_num has {len(nums)} entries for {b} rows")
+    if any(n < 0 for n in nums):
+        raise ValueError(f"top_logprobs_num must be >= 0, got {nums}")
+    k = min(max(nums, default=0), v)
+    if not return_logprob and k == 0:
+        return SampleOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
+
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = None
+    if return_logprob:
+        logprobs = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    top = None
+    if k > 0:
+        vals, ids = lp.topk(k, dim=-1, largest=True, sorted=True)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+        top = [
+            list(zip(ids_l[i][: nums[i]], vals_l[i][: nums[i]])) for i in range(b)
+        ]
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)

@@ -1,0 +1,112 @@
+"""The Llama-family transformer (Llama 2/3, Qwen2, Mistral, SmolLM2) over a ragged token batch.
+
+Tokens of all sequences in a step are flattened into one [T, hidden] batch; attention is the
+only part that needs to know where sequences begin and end, and the backend holds that.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.runtime.kernels.attention import AttentionBackend
+from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, scale in the model dtype (HF's order, so bf16 results match).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.layer = layer
+        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        a = self.arch
+        q, k, v = self.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, a.num_heads, a.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, a.num_kv_heads, a.head_dim), cos, sin)
+        v = v.view(-1, a.num_kv_heads, a.head_dim)
+        return self.o_proj(backend.forward(self.layer, q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Parameter names follow HF's, with q/k/v and gate/up fused (see loader.py)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rope: RotaryEmbedding | None = None
+
+    def init_rope(self, max_positions: int) -> None:
+        self.rope = RotaryEmbedding(self.arch, max_positions, self.embed_tokens.weight.device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run T new tokens; return fp32 logits for the rows in `logit_rows` (all rows if None)."""
+        assert self.rope is not None, "call init_rope() first"
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rope.tables(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, backend)
+        if logit_rows is not None:
+            h = h[logit_rows]
+        h = self.norm(h)
+        return F.linear(h, self.lm_head_weight).float()

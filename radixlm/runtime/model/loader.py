@@ -1,0 +1,140 @@
+"""Build a LlamaModel from a HF folder of safetensors, or fill it with dummy weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.llama import LlamaModel
+
+# HF tensor name suffix -> (our parameter suffix, which part of a fused tensor it fills)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _our_name(hf_name: str) -> str:
+    return hf_name.removeprefix("model.")
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / s for s in shards]
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{f}: listed in {index.name} but not found")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files; a model folder needs its weights as safetensors")
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield f, name, st.get_tensor(name)
+
+
+def _slices(arch: ModelArch, fused: str, part: int) -> tuple[int, int]:
+    if fused.endswith("qkv_proj"):
+        sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+    else:
+        sizes = [arch.intermediate_size, arch.intermediate_size]
+    start = sum(sizes[:part])
+    return start, start + sizes[part]
+
+
+def load_weights(model: LlamaModel, model_dir: Path) -> None:
+    """Copy every tensor of the checkpoint into `model`, checking names and shapes."""
+    arch = model.arch
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    for path, hf_name, tensor in _iter_tensors(_checkpoint_files(Path(model_dir))):
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if hf_name == "lm_head.weight" and arch.tie_word_embeddings:
+            continue  # some tied checkpoints store the shared matrix twice
+        stem, _, kind = _our_name(hf_name).rpartition(".")
+        target = f"{stem}.{kind}"
+        rows: tuple[int, int] | None = None
+        for hf_suffix, (ours, part) in _FUSED.items():
+            if stem.endswith(hf_suffix):
+                target = f"{stem[: -len(hf_suffix)]}{ours}.{kind}"
+                rows = _slices(arch, ours, part)
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"{path.name}: unexpected tensor {hf_name!r} for a {arch.family} model of this config")
+        dest = param.data if rows is None else param.data[rows[0] : rows[1]]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{path.name}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                f"but config.json implies {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        filled.add(hf_name)
+    missing = [n for n in expected_tensor_names(arch) if n not in filled]
+    if missing:
+        raise ValueError(
+            f"{model_dir}: missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+
+
+def expected_tensor_names(arch: ModelArch) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
+    per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
+    per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if arch.attention_bias:
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    for i in range(arch.num_layers):
+        names += [f"model.layers.{i}.{p}" for p in per_layer]
+    return names
+
+
+def build_model(
+    arch: ModelArch,
+    model_dir: Path | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int,
+    seed: int = 0,
+) -> LlamaModel:
+    """The model with weights from `model_dir`, or random weights (std 0.02) when it is None."""
+    with torch.device("meta"):
+        model = LlamaModel(arch)
+    model = model.to_empty(device=device).to(dtype)
+    if model_dir is None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    else:
+        with torch.no_grad():
+            load_weights(model, model_dir)
+    model.eval().requires_grad_(False)
+    model.init_rope(max_positions)
+    return model

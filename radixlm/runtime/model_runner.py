@@ -1,0 +1,71 @@
+"""ModelRunner: the only owner of tensors. Runs a model forward over one step's ragged batch."""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.runtime.batch import SeqStep
+from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS, AttentionMeta
+from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.model.llama import LlamaModel
+
+
+class ModelRunner:
+    """Holds the model, the KV pool and the request->slot table on the device."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_slots: int,
+        max_requests: int,
+        max_context: int,
+        attention_backend: str = "torch",
+    ) -> None:
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
+        self.model = model
+        self.arch = model.arch
+        weight = model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.pool = KVPool(self.arch, num_slots, self.dtype, self.device)
+        self.max_context = max_context
+        self.req_to_token = torch.zeros((max_requests, max_context), dtype=torch.int64, device=self.device)
+        self.attention = ATTENTION_BACKENDS[attention_backend](self.pool, self.arch.num_heads, self.arch.head_dim)
+
+    def forward(self, seqs: list[SeqStep]) -> torch.Tensor:
+        """Run one step; return fp32 logits [sum(seq.num_logits), vocab] in sequence order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        q_starts, q_lens, kv_lens, rows, token_rows = [], [], [], [], []
+        for s in seqs:
+            n = len(s.token_ids)
+            end = s.cached_len + n
+            if end > self.max_context:
+                raise ValueError(f"sequence of {end} tokens exceeds the context length {self.max_context}")
+            if s.prefix_slots is not None:
+                assert len(s.prefix_slots) == s.cached_len
+                if s.prefix_slots:
+                    self.req_to_token[s.row, : s.cached_len] = torch.tensor(s.prefix_slots, device=self.device)
+            q_starts.append(len(ids))
+            logit_rows.extend(range(len(ids) + s.logit_start, len(ids) + n))
+            ids.extend(s.token_ids)
+            positions.extend(range(s.cached_len, end))
+            token_rows.extend([s.row] * n)
+            slots.extend(s.slots)
+            q_lens.append(n)
+            kv_lens.append(end)
+            rows.append(s.row)
+        dev = self.device
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        self.req_to_token[torch.tensor(token_rows, dtype=torch.int64, device=dev), pos_t] = slot_t
+        meta = AttentionMeta(slot_t, self.req_to_token, rows, q_starts, q_lens, kv_lens)
+        self.attention.prepare(meta)
+        return self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            pos_t,
+            self.attention,
+            torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+        )

@@ -1,0 +1,238 @@
+"""Per-request sampling parameters (SGLang's native ``sampling_params``), validated.
+
+Pure Python: no torch here, so the scheduler and the server can use it freely.
+Logprob options (``return_logprob``, ``top_logprobs_num``, ...) are request-level and live
+with the request, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+MAX_STOP_STRINGS = 32
+# Temperatures below this decode greedily: dividing logits by a tinier value risks overflow,
+# and the distribution is a point mass in fp32 anyway (vLLM uses the same cut-off).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's output; defaults match SGLang's native API.
+
+    ``top_k == -1`` means off. ``temperature == 0`` (below ``GREEDY_TEMPERATURE_EPS``) or
+    ``top_k == 1`` means greedy.
+    ``stop`` / ``stop_token_ids`` accept a str / list and are stored as tuples;
+    ``json_schema`` accepts a dict and is stored as a compact JSON string.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    jump_forward: bool = True
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._validate()
+
+    # -- normalization -------------------------------------------------------------------
+    def _normalize(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            stop = tuple(stop)
+        else:
+            raise ValueError(
+                f"stop must be a string or a list of strings, got {type(stop).__name__}"
+            )
+        object.__setattr__(self, "stop", stop)
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif _is_int(ids):
+            ids = (ids,)
+        elif isinstance(ids, (list, tuple, set, frozenset)):
+            ids = tuple(ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of ints, got {type(ids).__name__}"
+            )
+        object.__setattr__(self, "stop_token_ids", ids)
+
+        if isinstance(self.json_schema, Mapping):
+            object.__setattr__(
+                self, "json_schema", json.dumps(self.json_schema, separators=(",", ":"))
+            )
+        # Accept ints for float fields, but store floats so equality/hash are uniform.
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
+            v = getattr(self, name)
+            if _is_int(v):
+                object.__setattr__(self, name, float(v))
+
+    # -- validation ----------------------------------------------------------------------
+    def _validate(self) -> None:
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "no_stop_trim",
+            "jump_forward",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool (true/false), got {v!r}")
+
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be <= max_new_tokens, got min_new_tokens="
+                f"{self.min_new_tokens} > max_new_tokens={self.max_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature:g}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p:g}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty:g}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v:g}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+            )
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only strings, got {s!r}")
+            if not s:
+                raise ValueError("stop strings must be non-empty, got ''")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r}")
+
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or null, got {self.seed!r}")
+
+        given = []
+        for name in ("regex", "json_schema", "ebnf"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, str):
+                raise ValueError(f"{name} must be a string, got {type(v).__name__}")
+            given.append(name)
+        if len(given) > 1:
+            raise ValueError(
+                f"at most one of regex, json_schema, ebnf may be set, got {', '.join(given)}"
+            )
+
+    # -- conversions ---------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of all sampling parameters, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
+        """Build from a JSON-ish dict (SGLang native ``sampling_params``).
+
+        Unknown keys raise ``ValueError``. A key whose value is ``None`` (JSON ``null``) takes
+        the default. ``stop`` may be a str or list; ``json_schema`` may be a dict.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(
+                f"sampling_params must be an object/dict, got {type(d).__name__}"
+            )
+        valid = cls.field_names()
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key not in valid:
+                raise ValueError(
+                    f"unknown sampling parameter {key!r}; valid keys: {', '.join(valid)}"
+                )
+            if value is not None:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; ``SamplingParams.from_dict(p.to_dict()) == p``."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding takes the argmax: temperature 0 (< 1e-5) or top_k 1."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
