@@ -30,7 +30,10 @@ class _Node:
     def __repr__(self) -> str:
         head = self.key[:8]
         more = "..." if len(self.key) > 8 else ""
-        return f"_Node(uid={self.uid}, len={len(self.key)}, key={head}{more}, lock_ref={self.lock_ref})"
+        return (
+            f"_Node(uid={self.uid}, len={len(self.key)}, key={head}{more}, "
+            f"lock_ref={self.lock_ref})"
+        )
 
 
 class RadixCache(PrefixCache):
@@ -287,7 +290,7 @@ class RadixCache(PrefixCache):
                 assert ck == self._child_key(key, 0), f"child keyed {ck!r} but starts {key[:page]}"
                 assert child.lock_ref >= 0, f"negative lock_ref at {child!r}"
                 if node is not root:
-                    assert node.lock_ref >= child.lock_ref, f"parent lock_ref < child's at {child!r}"
+                    assert node.lock_ref >= child.lock_ref, f"lock_ref above parent's: {child!r}"
                     assert node.last_access >= child.last_access, f"LRU order broken at {child!r}"
                 for s in child.slots:
                     assert s not in seen, f"slot {s} appears twice in the tree"
@@ -303,8 +306,8 @@ class RadixCache(PrefixCache):
                         leaves.add(child)
                 stack.append(child)
         assert total == self._total, f"total_size {self._total} != walked {total}"
-        assert evictable == self._evictable, f"evictable_size {self._evictable} != walked {evictable}"
-        assert protected == self._protected, f"protected_size {self._protected} != walked {protected}"
+        assert evictable == self._evictable, f"evictable {self._evictable} != walked {evictable}"
+        assert protected == self._protected, f"protected {self._protected} != walked {protected}"
         assert leaves == self._leaves, "eviction-candidate set out of sync"
 
     def reset(self) -> None:

@@ -1,0 +1,20 @@
+"""Shared fixtures: the default model's files, converted once per machine into the cache dir."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixlm.runtime.config import default_cache_dir
+from radixlm.runtime.model.source import DEFAULT_MODEL, ModelSource, resolve_model
+
+
+@pytest.fixture(scope="session")
+def default_source() -> ModelSource:
+    return resolve_model(DEFAULT_MODEL, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(default_source):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_source.tokenizer_dir))
