@@ -26,6 +26,8 @@ class PrefixCache(ABC):
     (``evict`` / ``reset``); see ``insert`` for what the caller must free itself.
     """
 
+    shares_prefixes: bool = True  # False for the no-sharing twin
+
     @property
     @abstractmethod
     def page_size(self) -> int:

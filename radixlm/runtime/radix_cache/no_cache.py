@@ -20,6 +20,8 @@ class _Root:
 class NoCache(PrefixCache):
     """Caches nothing: every match is empty and every insert frees what it is handed."""
 
+    shares_prefixes = False
+
     def __init__(self, allocator: SlotAllocator, page_size: int = 1) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")

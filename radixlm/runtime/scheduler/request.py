@@ -1,0 +1,64 @@
+"""A request as the scheduler sees it: token ids, sampling params and KV bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to complete. `slots[i]` holds the KV of token `fill_ids[i]`; the first
+    `tree_len` of them belong to the prefix cache (kept alive by locking `node`)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    logprob_start_len: int = -1  # >= 0: return logprobs of prompt tokens from this position
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival: int = 0
+    # KV bookkeeping, owned by the scheduler
+    row: int = -1
+    slots: list[int] = field(default_factory=list)
+    tree_len: int = 0
+    node: object | None = None
+    rewrite_row: bool = True
+    prefix_hint: int = 0
+    retractions: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """All tokens but the newest have KV: the next step feeds one token."""
+        return self.status is Status.RUNNING and len(self.slots) == self.fill_len - 1
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.logprob_start_len >= 0 and not self.output_ids
+
+    def first_logit_pos(self) -> int:
+        """Earliest position whose logits this request still needs."""
+        if self.wants_input_logprobs:
+            return max(min(self.logprob_start_len - 1, self.fill_len - 1), 0)
+        return self.fill_len - 1
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)

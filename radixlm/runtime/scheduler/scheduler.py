@@ -1,0 +1,281 @@
+"""Continuous batching over a prefix cache: one call of `schedule()` per forward step.
+
+Every step carries all decoding requests (one token each) plus as many prompt tokens as the
+prefill budget allows (chunked when a prompt is longer), so long prompts never stall decodes.
+Admission is by KV budget; when decode runs out of slots, the cache is evicted first and then
+the request that loses least is retracted (its KV goes into the cache, it waits again and
+resumes with the same output). Plain ints and lists only: no torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from radixlm.runtime.batch import SeqStep
+from radixlm.runtime.config import SchedulerConfig
+from radixlm.runtime.radix_cache import PrefixCache, SlotAllocator
+from radixlm.runtime.scheduler.policy import POLICIES
+from radixlm.runtime.scheduler.request import Request, Status
+
+# A waiting request whose next DEDUP_MIN uncached tokens equal those of a request being
+# prefilled right now waits one step, then reads them from the cache instead of recomputing.
+DEDUP_MIN = 16
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One request's part of a step: what to run and what to do with its logits."""
+
+    req: Request
+    seq: SeqStep
+    first_logit_pos: int  # absolute position of the first logit row returned
+    samples: bool  # the last logit row picks the next output token
+    prefill: bool  # prompt tokens (a chunk, or a resumed request's context), not one decode token
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: PrefixCache,
+        allocator: SlotAllocator,
+        max_context: int,
+    ) -> None:
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {config.policy!r}; choose one of {sorted(POLICIES)}")
+        self.config = config
+        self.cache = cache
+        self.allocator = allocator
+        self.max_context = max_context
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.free_rows = list(range(config.max_running_requests - 1, -1, -1))
+        self._arrivals = 0
+        self.num_retractions = 0
+
+    # -- requests in and out -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.rid}: the prompt is empty; give at least one token")
+        if len(req.prompt_ids) >= self.max_context:
+            raise ValueError(
+                f"request {req.rid}: prompt of {len(req.prompt_ids)} tokens does not fit the context length "
+                f"{self.max_context}; shorten it"
+            )
+        if len(req.prompt_ids) > self.allocator.num_slots:
+            raise ValueError(
+                f"request {req.rid}: prompt of {len(req.prompt_ids)} tokens needs more KV slots than the pool "
+                f"holds ({self.allocator.num_slots}); raise max_total_tokens or shorten the prompt"
+            )
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request (done, stopped or aborted) and release everything it holds."""
+        if req.status is Status.FINISHED:
+            return
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        else:
+            self._release(req, keep_in_cache=True)
+            self.running.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def abort(self, rid: str) -> Request | None:
+        for req in self.waiting + self.running:
+            if req.rid == rid:
+                self.finish(req, "abort")
+                return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> list[Scheduled]:
+        """Pick this step's work and allocate KV slots for it."""
+        decoding = [r for r in self.running if r.is_decoding]
+        prefilling = [r for r in self.running if not r.is_decoding]
+        out = [self._step(r, 1, prefill=False) for r in self._make_room_for_decode(decoding)]
+        budget = self.config.chunked_prefill_size or self.config.max_prefill_tokens
+        for req in prefilling:  # a prompt already in flight (chunked) continues first
+            if budget <= 0:
+                return out
+            s = self._prefill_chunk(req, budget)
+            if s is None:
+                return out
+            budget -= len(s.seq.token_ids)
+            out.append(s)
+        if self.waiting and budget > 0 and self.free_rows:
+            out.extend(self._admit(budget))
+        return out
+
+    def end_step(self, step: Sequence[Scheduled]) -> None:
+        """After the step's tokens were appended: put just-finished prompts into the cache, so
+        requests arriving with the same prefix reuse it while this one still runs."""
+        for s in step:
+            req = s.req
+            done_prompt = len(req.slots) >= req.fill_len - (1 if s.samples else 0)
+            if not s.prefill or req.status is not Status.RUNNING or not done_prompt:
+                continue
+            if req.remaining_new_tokens() == 0:  # max_new_tokens=0: prefill only, to warm the cache
+                self.finish(req, "length")
+            elif self.cache.shares_prefixes:
+                self._cache_prefix(req)
+
+    # -- internals -----------------------------------------------------------------------
+    def _step(self, req: Request, n: int, prefill: bool) -> Scheduled:
+        """Feed req's next n tokens; their slots must already be at the end of req.slots."""
+        start = len(req.slots) - n
+        end = start + n
+        samples = end == req.fill_len and req.remaining_new_tokens() > 0
+        logit_start = min(max(req.first_logit_pos() - start, 0), n)
+        if not samples and not req.wants_input_logprobs:
+            logit_start = n
+        seq = SeqStep(
+            row=req.row,
+            cached_len=start,
+            token_ids=req.fill_ids[start:end],
+            slots=req.slots[start:],
+            logit_start=logit_start,
+            prefix_slots=req.slots[:start] if req.rewrite_row else None,
+        )
+        req.rewrite_row = False
+        return Scheduled(req, seq, start + logit_start, samples, prefill)
+
+    def _alloc(self, n: int) -> list[int] | None:
+        if self.allocator.num_free < n:
+            self.cache.evict(n - self.allocator.num_free)
+        return self.allocator.alloc(n)
+
+    def _make_room_for_decode(self, decoding: list[Request]) -> list[Request]:
+        """Give each decoding request one slot, retracting others if the pool is out."""
+        decoding = list(decoding)
+        while decoding:
+            slots = self._alloc(len(decoding))
+            if slots is not None:
+                for req, slot in zip(decoding, slots):
+                    req.slots.append(slot)
+                return decoding
+            if len(self.running) == 1:
+                # alone and still out of memory: the request cannot grow any further
+                self.finish(decoding[0], "length")
+                return []
+            victim = min(decoding, key=lambda r: (len(r.output_ids), -r.arrival))
+            self._retract(victim)
+            decoding.remove(victim)
+        return []
+
+    def _retract(self, req: Request) -> None:
+        self._release(req, keep_in_cache=True)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.retractions += 1
+        self.num_retractions += 1
+        self.waiting.insert(0, req)
+
+    def _release(self, req: Request, keep_in_cache: bool) -> None:
+        """Give the cache what req computed, unlock its prefix, free its row."""
+        if keep_in_cache and req.slots and self.cache.shares_prefixes:
+            self._cache_prefix(req, relock=False)
+        else:
+            self.allocator.free(req.slots[req.tree_len :])
+        if req.node is not None:
+            self.cache.unlock(req.node)
+        req.node, req.slots, req.tree_len = None, [], 0
+        self.free_rows.append(req.row)
+        req.row = -1
+        req.rewrite_row = True
+
+    def _cache_prefix(self, req: Request, relock: bool = True) -> None:
+        """Insert req's computed tokens into the cache; keep using the cache's slots."""
+        computed = len(req.slots)
+        tokens = req.fill_ids[:computed]
+        already = self.cache.insert(tokens, req.slots)
+        inserted = computed // self.cache.page_size * self.cache.page_size
+        if already > req.tree_len:  # someone cached these first: our copies are duplicates
+            self.allocator.free(req.slots[req.tree_len : already])
+        if not relock:
+            self.allocator.free(req.slots[inserted:])
+            return
+        match = self.cache.match_prefix(tokens)
+        self.cache.lock(match.node)
+        if req.node is not None:
+            self.cache.unlock(req.node)
+        if match.slots != req.slots[: len(match.slots)]:
+            req.rewrite_row = True
+        req.slots = match.slots + req.slots[len(match.slots) :]
+        req.node, req.tree_len = match.node, len(match.slots)
+
+    def _refresh_matches(self) -> None:
+        for req in self.waiting:
+            limit = min(req.fill_len - 1, req.first_logit_pos())
+            m = self.cache.match_prefix(req.fill_ids[:limit])
+            req.prefix_hint, req.node = len(m.slots), m.node
+
+    def _order(self) -> list[Request]:
+        policy = self.config.policy
+        if policy == "lpm" and len(self.waiting) > self.config.lpm_max_queue:
+            policy = "fcfs"
+        if policy != "fcfs":
+            self._refresh_matches()
+        return POLICIES[policy](self.waiting)
+
+    def _reserved(self) -> int:
+        """Slots running requests will still need (remaining prompt + remaining output)."""
+        return sum(r.fill_len - len(r.slots) + r.remaining_new_tokens() for r in self.running)
+
+    def _admit(self, budget: int) -> list[Scheduled]:
+        out: list[Scheduled] = []
+        in_flight = [r for r in self.running if len(r.slots) < r.fill_len or not r.output_ids]
+        headroom = self.allocator.num_free + self.cache.evictable_size() - self._reserved()
+        for req in self._order():
+            if budget <= 0 or not self.free_rows:
+                break
+            limit = min(req.fill_len - 1, req.first_logit_pos())
+            match = self.cache.match_prefix(req.fill_ids[:limit])
+            cached = len(match.slots)
+            if any(self._shares_uncached(req, other, cached) for other in in_flight):
+                continue
+            need = req.fill_len - cached + req.remaining_new_tokens()
+            if need > headroom and self.running:
+                break
+            self.cache.lock(match.node)
+            req.node, req.slots, req.tree_len = match.node, list(match.slots), cached
+            if req.retractions == 0:
+                req.cached_tokens = cached
+            req.row = self.free_rows.pop()
+            req.rewrite_row = True
+            req.status = Status.RUNNING
+            self.waiting.remove(req)
+            self.running.append(req)
+            s = self._prefill_chunk(req, budget)
+            if s is None:  # no KV for even one token right now: wait
+                self._release(req, keep_in_cache=False)
+                self.running.remove(req)
+                req.status = Status.WAITING
+                self.waiting.insert(0, req)
+                break
+            headroom -= need
+            budget -= len(s.seq.token_ids)
+            out.append(s)
+            in_flight.append(req)
+        return out
+
+    @staticmethod
+    def _shares_uncached(req: Request, other: Request, cached: int) -> bool:
+        end = cached + DEDUP_MIN
+        return req.fill_len - 1 >= end and other.fill_len >= end and req.fill_ids[:end] == other.fill_ids[:end]
+
+    def _prefill_chunk(self, req: Request, budget: int) -> Scheduled | None:
+        n = min(req.fill_len - len(req.slots), budget)
+        slots = self._alloc(n)
+        if slots is None:
+            return None
+        req.slots.extend(slots)
+        return self._step(req, n, prefill=True)
