@@ -57,11 +57,19 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512  # 0 turns chunking off
     max_prefill_tokens: int = 4096  # new prompt tokens admitted per step
     lpm_max_queue: int = 128  # past this many waiting requests, lpm falls back to fcfs
+    # Admission reserves ratio * (remaining max_new_tokens) for each running request. Most
+    # requests stop early, so the ratio decays step by step towards its floor; a retraction
+    # (decode ran out of slots) resets it to the initial value.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_prefill_tokens", "lpm_max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
         if self.chunked_prefill_size < 0:
             raise ValueError(f"chunked_prefill_size must be >= 0 (0 = off), got {self.chunked_prefill_size}")
 

@@ -1,17 +1,19 @@
 """Engine: the in-process runtime API (generate, async_generate, stream).
 
-A single background thread owns the EngineCore and runs its step loop while work exists;
-callers hand requests over through a queue and receive outputs through per-request sinks.
+There is no background thread: whoever waits for results drives the EngineCore's step loop
+(one caller at a time, under a lock; other callers wait for their outputs). On these CPUs a
+second thread running torch next to the main thread's OpenMP pool is ~50% slower per step, and
+the server runs the core in its own process anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -31,7 +33,6 @@ class _Submit:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
-    sink: Any  # callable(RequestOutput | BaseException)
 
 
 class Engine:
@@ -47,13 +48,10 @@ class Engine:
         self.config = EngineConfig.from_kwargs(**options)
         self.core = EngineCore(self.config)
         self.tokenizer = self.core.tokenizer
-        self._inbox: queue.Queue[Any] = queue.Queue()
-        self._sinks: dict[str, Any] = {}
+        self._lock = threading.RLock()
+        self._boxes: dict[str, _Box] = {}
         self._closed = False
-        self._flush_waiters: list[threading.Event] = []
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
-        self._thread.start()
 
     # -- public API ----------------------------------------------------------------------
     def generate(
@@ -73,96 +71,72 @@ class Engine:
         """
         subs, single = self._prepare(prompt, input_ids, sampling_params, return_logprob,
                                      logprob_start_len, top_logprobs_num)
-        results: dict[str, dict[str, Any]] = {}
-        done = threading.Event()
-        errors: list[BaseException] = []
-        lock = threading.Lock()
-        parts: dict[str, list[RequestOutput]] = {s.rid: [] for s in subs}
-
-        def sink(out: RequestOutput | BaseException, rid: str) -> None:
-            with lock:
-                if isinstance(out, BaseException):
-                    errors.append(out)
-                    results[rid] = {}
-                else:
-                    parts[rid].append(out)
-                    if out.finished:
-                        results[rid] = _collect(parts[rid])
-                if len(results) == len(subs):
-                    done.set()
-
-        self._submit(subs, sink)
-        done.wait()
-        if errors:
-            raise errors[0]
-        outs = [results[s.rid] for s in subs]
+        boxes = self._submit(subs)
+        self._drive(lambda: all(b.finished for b in boxes))
+        outs = [b.result() for b in boxes]
         return outs[0] if single else outs
 
-    async def async_generate(self, prompt: Prompt | None = None, sampling_params: ParamsLike = None,
+    async def async_generate(self, prompt: Prompt | Sequence[Prompt] | None = None,
+                             sampling_params: ParamsLike | Sequence[ParamsLike] = None,
                              **kwargs: Any) -> dict[str, Any] | list[dict[str, Any]]:
-        """generate() without blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.generate(prompt, sampling_params, **kwargs)
-        )
+        """generate() for asyncio: steps run between awaits, so concurrent calls batch together."""
+        subs, single = self._prepare(prompt, kwargs.pop("input_ids", None), sampling_params, **kwargs)
+        boxes = self._submit(subs)
+        await self._async_drive(lambda: all(b.finished for b in boxes))
+        outs = [b.result() for b in boxes]
+        return outs[0] if single else outs
 
     def stream(self, prompt: Prompt | None = None, sampling_params: ParamsLike = None, *,
                input_ids: Sequence[int] | None = None, **kwargs: Any) -> Iterator[dict[str, Any]]:
         """Yield {"text": delta, "output_ids": delta, "finished", "meta_info"} chunks for one prompt."""
-        subs, single = self._prepare(prompt, input_ids, sampling_params, kwargs.get("return_logprob", False),
-                                     kwargs.get("logprob_start_len", -1), kwargs.get("top_logprobs_num", 0))
-        if not single or len(subs) != 1:
-            raise ValueError("stream() takes one prompt with n=1; call it once per prompt")
-        q: queue.Queue[Any] = queue.Queue()
-        self._submit(subs, lambda out, rid: q.put(out))
-        finished = False
+        box = self._submit_one(prompt, input_ids, sampling_params, kwargs)
         try:
-            while not finished:
-                out = q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield _chunk(out)
+            while True:
+                self._drive(lambda: bool(box.pending) or box.finished)
+                while box.pending:
+                    yield _chunk(box.pending.pop(0))
+                if box.finished and not box.pending:
+                    box.result()  # raises the request's error, if any
+                    return
         finally:
-            if not finished:
-                self.abort(subs[0].rid)
+            if not box.finished:
+                self.abort(box.rid)
 
     async def async_stream(self, prompt: Prompt | None = None, sampling_params: ParamsLike = None,
                            **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
-        """stream() for asyncio: chunks arrive through the event loop, no thread per request."""
-        subs, single = self._prepare(prompt, kwargs.pop("input_ids", None), sampling_params,
-                                     kwargs.get("return_logprob", False), kwargs.get("logprob_start_len", -1),
-                                     kwargs.get("top_logprobs_num", 0))
-        if not single or len(subs) != 1:
-            raise ValueError("async_stream() takes one prompt with n=1")
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        self._submit(subs, lambda out, rid: loop.call_soon_threadsafe(q.put_nowait, out))
-        finished = False
+        """stream() for asyncio."""
+        box = self._submit_one(prompt, kwargs.pop("input_ids", None), sampling_params, kwargs)
         try:
-            while not finished:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield _chunk(out)
+            while True:
+                await self._async_drive(lambda: bool(box.pending) or box.finished)
+                while box.pending:
+                    yield _chunk(box.pending.pop(0))
+                if box.finished and not box.pending:
+                    box.result()
+                    return
         finally:
-            if not finished:
-                self.abort(subs[0].rid)
+            if not box.finished:
+                self.abort(box.rid)
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        """End a request wherever it is; its caller gets finish_reason abort."""
+        with self._lock:
+            out = self.core.abort(rid)
+            if out is not None:
+                self._deliver(out)
 
     def flush_cache(self) -> None:
         """Wait until idle, then drop every cached prefix."""
-        done = threading.Event()
-        self._inbox.put(("flush", done))
-        done.wait()
+        self._drive(lambda: not self.core.has_work)
+        with self._lock:
+            self.core.cache.reset()
 
     def shutdown(self) -> None:
-        if not self._closed:
+        """Abort whatever is still in flight."""
+        with self._lock:
+            for rid in list(self.core.tracks):
+                self.abort(rid)
             self._closed = True
-            self._inbox.put(("stop", None))
-            self._thread.join(timeout=30)
 
     def __enter__(self) -> Engine:
         return self
@@ -182,8 +156,8 @@ class Engine:
             return list(prompt)
         raise ValueError("a prompt must be a string, a list of token ids, or a list of chat messages")
 
-    def _prepare(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-                 top_logprobs_num) -> tuple[list[_Submit], bool]:
+    def _prepare(self, prompt, input_ids, sampling_params, return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0) -> tuple[list[_Submit], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if input_ids is not None:
@@ -207,78 +181,100 @@ class Engine:
                     seed = None if params.seed is None else params.seed + i
                     copy = SamplingParams.from_dict({**params.to_dict(), "n": 1, "seed": seed})
                 rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-                subs.append(_Submit(rid, ids, copy, return_logprob, logprob_start_len, top_logprobs_num, None))
+                subs.append(_Submit(rid, ids, copy, return_logprob, logprob_start_len, top_logprobs_num))
         return subs, single and len(subs) == 1
 
-    def _submit(self, subs: list[_Submit], sink: Any) -> None:
+    def _submit_one(self, prompt, input_ids, sampling_params, kwargs: dict[str, Any]) -> _Box:
+        subs, single = self._prepare(prompt, input_ids, sampling_params, **kwargs)
+        if not single:
+            raise ValueError("streaming takes one prompt with n=1; call it once per prompt")
+        return self._submit(subs)[0]
+
+    def _submit(self, subs: list[_Submit]) -> list[_Box]:
         if self._closed:
             raise RuntimeError("the engine is shut down")
-        for s in subs:
-            self._inbox.put(("add", s, sink))
-
-    # -- the loop thread -----------------------------------------------------------------
-    def _loop(self) -> None:
-        core = self.core
-        while True:
-            block = not core.has_work
-            try:
-                while True:
-                    msg = self._inbox.get(block=block)
-                    block = False
-                    if not self._handle(msg):
-                        return
-            except queue.Empty:
-                pass
-            if self._flush_waiters and not core.has_work:
-                core.cache.reset()
-                while self._flush_waiters:
-                    self._flush_waiters.pop().set()
-            if core.has_work:
+        boxes = []
+        with self._lock:
+            for s in subs:
+                box = _Box(s.rid)
+                boxes.append(box)
                 try:
-                    outputs = core.step()
-                except BaseException as e:  # a broken step fails its requests, not the engine
-                    for rid in list(core.tracks):
-                        core.abort(rid)
-                        self._deliver_error(rid, e)
-                    continue
-                for out in outputs:
-                    self._deliver(out)
+                    self.core.add_request(s.rid, s.prompt_ids, s.params, s.return_logprob,
+                                          s.logprob_start_len, s.top_logprobs_num)
+                except ValueError as e:
+                    for b in boxes[:-1]:
+                        self.abort(b.rid)
+                    raise
+                self._boxes[s.rid] = box
+        return boxes
 
-    def _handle(self, msg: tuple) -> bool:
-        kind = msg[0]
-        if kind == "stop":
-            for rid in list(self.core.tracks):
-                out = self.core.abort(rid)
-                if out:
-                    self._deliver(out)
-            return False
-        if kind == "add":
-            s, sink = msg[1], msg[2]
-            self._sinks[s.rid] = sink
+    # -- driving the core ----------------------------------------------------------------
+    def _step_once(self) -> None:
+        """One core step under the lock; a failing step fails its requests, not the engine."""
+        with self._lock:
+            if not self.core.has_work:
+                return
             try:
-                self.core.add_request(s.rid, s.prompt_ids, s.params, s.return_logprob,
-                                      s.logprob_start_len, s.top_logprobs_num)
-            except ValueError as e:
-                self._deliver_error(s.rid, e)
-        elif kind == "abort":
-            out = self.core.abort(msg[1])
-            if out:
+                outputs = self.core.step()
+            except Exception as e:  # noqa: BLE001 - surfaced to every affected caller
+                for rid in list(self.core.tracks):
+                    self.core.abort(rid)
+                    box = self._boxes.pop(rid, None)
+                    if box is not None:
+                        box.fail(e)
+                return
+            for out in outputs:
                 self._deliver(out)
-        elif kind == "flush":
-            self._flush_waiters.append(msg[1])  # served once the running work drains
-        return True
+
+    def _drive(self, done: Callable[[], bool]) -> None:
+        while not done():
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._step_once()
+                finally:
+                    self._lock.release()
+            else:  # another caller is driving; our outputs arrive through it
+                time.sleep(0.001)
+
+    async def _async_drive(self, done: Callable[[], bool]) -> None:
+        while not done():
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._step_once()
+                finally:
+                    self._lock.release()
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0.001)
 
     def _deliver(self, out: RequestOutput) -> None:
-        sink = self._sinks.get(out.rid)
+        box = self._boxes.get(out.rid)
+        if box is None:
+            return
+        box.pending.append(out)
+        box.parts.append(out)
         if out.finished:
-            self._sinks.pop(out.rid, None)
-        if sink is not None:
-            sink(out, out.rid)
+            box.finished = True
+            del self._boxes[out.rid]
 
-    def _deliver_error(self, rid: str, err: BaseException) -> None:
-        sink = self._sinks.pop(rid, None)
-        if sink is not None:
-            sink(err, rid)
+
+class _Box:
+    """Where one request's outputs land."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.parts: list[RequestOutput] = []
+        self.pending: list[RequestOutput] = []
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def fail(self, err: BaseException) -> None:
+        self.error, self.finished = err, True
+
+    def result(self) -> dict[str, Any]:
+        if self.error is not None:
+            raise self.error
+        return _collect(self.parts)
 
 
 def _params(sp: ParamsLike) -> SamplingParams:

@@ -218,9 +218,11 @@ class EngineCore:
         req = track.req
         p = req.params
         reason: str | None = None
+        delta, matched = "", None
         if tok in track.eos_ids or tok in p.stop_token_ids:
             reason, track.matched_stop = "stop", tok
-        delta, matched = track.stop.feed(track.detok.push([tok]))
+        if reason is None or p.no_stop_trim:  # a matched stop token stays out of the text
+            delta, matched = track.stop.feed(track.detok.push([tok]))
         if matched is not None:
             reason, track.matched_stop = "stop", matched
         elif reason is None and (len(req.output_ids) >= p.max_new_tokens or req.fill_len >= self.context_length):
@@ -228,10 +230,11 @@ class EngineCore:
         if reason is not None and matched is None:  # the stream ends: release held-back text
             tail, matched = track.stop.feed(track.detok.flush())
             delta += tail
+            if matched is None:
+                delta += track.stop.flush()
+                matched = track.stop.matched
             if matched is not None:
                 reason, track.matched_stop = "stop", matched
-            else:
-                delta += track.stop.flush()
         track.text += delta
         if reason is None:
             return self._output(track, delta)

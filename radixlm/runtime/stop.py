@@ -2,9 +2,9 @@
 
 Which match wins: the occurrence that starts first in the text; among stop strings that start at
 the same position, the shortest (it is complete first, so the stream can stop without waiting).
-This is "the first occurrence of any stop string in the text", like SGLang and vLLM (which check
-the strings in list order but cut the text at the first occurrence); unlike a list-order rule, the
-result does not depend on how the text was split into chunks. While a longer stop string that
+This is "the first occurrence of any stop string in the text". (vLLM and SGLang check the strings
+in list order and cut at the first one found, so when two stop strings both occur their result can
+depend on the list order and the chunking; here it depends on neither.) While a longer stop string that
 starts earlier may still complete, a shorter one that already matched later is not reported yet
 (``flush()`` reports it when the stream ends first).
 """
@@ -30,9 +30,15 @@ def _failure(pattern: str) -> list[int]:
 def _prefix_suffix(text: str, pattern: str, fail: list[int]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``pattern``."""
     n = len(pattern)
+    if n == 1:
+        return 0
+    # Only the last n - 1 characters can hold a proper prefix of the pattern, and it starts with
+    # the pattern's first character (usually absent: then no per-character loop at all).
+    start = text.find(pattern[0], max(0, len(text) - (n - 1)))
+    if start == -1:
+        return 0
     k = 0
-    # Only the last n - 1 characters can hold a proper prefix of the pattern.
-    for ch in text[max(0, len(text) - (n - 1)) :] if n > 1 else "":
+    for ch in text[start:]:
         while k and pattern[k] != ch:
             k = fail[k]
         if pattern[k] == ch:
@@ -128,6 +134,8 @@ class StopMatcher:
         best = ""
         for s in self.stop:
             at = text.find(s)
-            if at != -1 and (best_at == -1 or at < best_at or (at == best_at and len(s) < len(best))):
+            if at == -1:
+                continue
+            if best_at == -1 or at < best_at or (at == best_at and len(s) < len(best)):
                 best_at, best = at, s
         return best_at, best

@@ -53,6 +53,7 @@ class Scheduler:
         self.free_rows = list(range(config.max_running_requests - 1, -1, -1))
         self._arrivals = 0
         self.num_retractions = 0
+        self.new_token_ratio = config.init_new_token_ratio
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -99,6 +100,8 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
         """Pick this step's work and allocate KV slots for it."""
+        c = self.config
+        self.new_token_ratio = max(self.new_token_ratio - c.new_token_ratio_decay, c.min_new_token_ratio)
         decoding = [r for r in self.running if r.is_decoding]
         prefilling = [r for r in self.running if not r.is_decoding]
         out = [self._step(r, 1, prefill=False) for r in self._make_room_for_decode(decoding)]
@@ -177,6 +180,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.retractions += 1
         self.num_retractions += 1
+        self.new_token_ratio = self.config.init_new_token_ratio
         self.waiting.insert(0, req)
 
     def _release(self, req: Request, keep_in_cache: bool) -> None:
@@ -226,14 +230,15 @@ class Scheduler:
             self._refresh_matches()
         return POLICIES[policy](self.waiting)
 
-    def _reserved(self) -> int:
-        """Slots running requests will still need (remaining prompt + remaining output)."""
-        return sum(r.fill_len - len(r.slots) + r.remaining_new_tokens() for r in self.running)
+    def _expected_need(self, req: Request, cached: int) -> int:
+        """Slots req is expected to still take: its uncomputed prompt plus a share of its output."""
+        return req.fill_len - max(cached, len(req.slots)) + int(req.remaining_new_tokens() * self.new_token_ratio)
 
     def _admit(self, budget: int) -> list[Scheduled]:
         out: list[Scheduled] = []
         in_flight = [r for r in self.running if len(r.slots) < r.fill_len or not r.output_ids]
-        headroom = self.allocator.num_free + self.cache.evictable_size() - self._reserved()
+        reserved = sum(self._expected_need(r, 0) for r in self.running)
+        headroom = self.allocator.num_free + self.cache.evictable_size() - reserved
         for req in self._order():
             if budget <= 0 or not self.free_rows:
                 break
@@ -242,7 +247,7 @@ class Scheduler:
             cached = len(match.slots)
             if any(self._shares_uncached(req, other, cached) for other in in_flight):
                 continue
-            need = req.fill_len - cached + req.remaining_new_tokens()
+            need = self._expected_need(req, cached)
             if need > headroom and self.running:
                 break
             self.cache.lock(match.node)
