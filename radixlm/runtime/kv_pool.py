@@ -14,8 +14,12 @@ class KVPool:
         if num_slots < 1:
             raise ValueError(f"the KV pool needs at least 1 token slot, got {num_slots}")
         shape = (arch.num_layers, num_slots + 1, arch.num_kv_heads, arch.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Left uninitialised (zeroing gigabytes costs seconds): attention reads only slots that
+        # were written, plus the zeroed padding slot 0 where a padded index points.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, 0].zero_()
+        self.v[:, 0].zero_()
         self.num_slots = num_slots
 
     @staticmethod

@@ -30,8 +30,10 @@ class TorchAttention:
             max_kv = max(meta.kv_lens[i] for i in decode)
             rows = torch.tensor([meta.rows[i] for i in decode], device=device)
             self.decode_tokens = torch.tensor([meta.q_starts[i] for i in decode], device=device)
-            self.decode_kv_idx = meta.req_to_token[rows, :max_kv]
-            self.decode_mask = (torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None])[:, None, None, :]
+            valid = torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None]
+            # padded positions read slot 0 (zeros), never a stale or unwritten slot
+            self.decode_kv_idx = torch.where(valid, meta.req_to_token[rows, :max_kv], 0)
+            self.decode_mask = valid[:, None, None, :]
         self.extends: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for i in range(meta.num_seqs):
             q_len, kv_len = meta.q_lens[i], meta.kv_lens[i]

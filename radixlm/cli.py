@@ -1,0 +1,113 @@
+"""`radixlm` command line: engine flags come from the config dataclasses, choices from registries."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from radixlm.runtime.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+
+HELP = {
+    "model": "built-in name, HF model folder, .gguf file, or dummy:<config>",
+    "cache_dir": "where converted models are kept (default $RADIXLM_CACHE or ~/.cache/radixlm)",
+    "cache": "prefix cache: radix shares prefixes, none is the no-sharing twin",
+    "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction)",
+    "chunked_prefill_size": "prompt tokens per step; 0 turns chunking off",
+}
+
+
+def _choices() -> dict[str, Sequence[str]]:
+    from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS
+    from radixlm.runtime.radix_cache import CACHES
+    from radixlm.runtime.scheduler import POLICIES
+
+    return {"dtype": DTYPES, "cache": sorted(CACHES), "policy": sorted(POLICIES),
+            "attention_backend": sorted(ATTENTION_BACKENDS)}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field (--max-total-tokens ...), defaults from the dataclasses."""
+    choices = _choices()
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        group = parser.add_argument_group(cls.__name__)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            kind = _scalar(hints[f.name])
+            group.add_argument(
+                "--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
+                choices=choices.get(f.name), help=HELP.get(f.name, f"default: {default}"),
+            )
+    parser.add_argument("--attention-backend", default="torch", choices=choices["attention_backend"])
+
+
+def _scalar(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0] if args[0] in (int, float, str) else str
+
+
+def engine_options(ns: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for cls in (ModelConfig, CacheConfig, SchedulerConfig) for f in dataclasses.fields(cls)}
+    opts = {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    opts["attention_backend"] = ns.attention_backend
+    return opts
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from radixlm.runtime.engine import Engine
+
+    params = json.loads(ns.sampling_params) if ns.sampling_params else {}
+    params.setdefault("max_new_tokens", ns.max_new_tokens)
+    params.setdefault("temperature", ns.temperature)
+    t0 = time.perf_counter()
+    engine = Engine(**engine_options(ns))
+    load = time.perf_counter() - t0
+    prompt: Any = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
+    text_parts = []
+    meta: dict[str, Any] = {}
+    for chunk in engine.stream(prompt, params):
+        sys.stdout.write(chunk["text"])
+        sys.stdout.flush()
+        text_parts.append(chunk["text"])
+        meta = chunk["meta_info"] or meta
+    sys.stdout.write("\n")
+    engine.shutdown()
+    if ns.verbose:
+        n, dt = meta.get("completion_tokens", 0), meta.get("e2e_latency", 0.0)
+        print(f"[load {load:.1f}s, {n} tokens in {dt:.2f}s, ttft {meta.get('ttft') or 0:.3f}s, "
+              f"finish {meta.get('finish_reason')}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixlm", description="LM programs on a radix-tree KV cache runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt with the engine and stream the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-params", help='JSON object of sampling params, e.g. \'{"top_p": 0.9}\'')
+    gen.add_argument("-v", "--verbose", action="store_true", help="print timing to stderr")
+    add_engine_flags(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"radixlm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
