@@ -47,8 +47,12 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        """All tokens but the newest have KV: the next step feeds one token."""
-        return self.status is Status.RUNNING and len(self.slots) == self.fill_len - 1
+        """Past its prompt, all tokens but the newest have KV: the next step feeds one token.
+
+        A prompt cut by the chunk budget one token short is still prefilling: it has no
+        output yet, so it must neither be retracted as a decoder nor skip end_step's
+        prompt bookkeeping (caching it, or finishing a max_new_tokens=0 request)."""
+        return self.status is Status.RUNNING and bool(self.output_ids) and len(self.slots) == self.fill_len - 1
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -245,12 +245,19 @@ class Scheduler:
             limit = min(req.fill_len - 1, req.first_logit_pos())
             match = self.cache.match_prefix(req.fill_ids[:limit])
             cached = len(match.slots)
-            if any(self._shares_uncached(req, other, cached) for other in in_flight):
+            # only a cache that shares prefixes can serve them to the waiting request later
+            if self.cache.shares_prefixes and any(self._shares_uncached(req, other, cached) for other in in_flight):
                 continue
             need = self._expected_need(req, cached)
             if need > headroom and self.running:
                 break
+            evictable = self.cache.evictable_size()
             self.cache.lock(match.node)
+            # the matched prefix counted as evictable room in headroom; locked, it no longer is
+            need += evictable - self.cache.evictable_size()
+            if need > headroom and self.running:
+                self.cache.unlock(match.node)
+                break
             req.node, req.slots, req.tree_len = match.node, list(match.slots), cached
             if req.retractions == 0:
                 req.cached_tokens = cached
