@@ -97,6 +97,34 @@ class EngineCore:
         )
         self.tracks: dict[str, _Track] = {}
         self.steps = 0
+        self.prompt_tokens_total = 0  # of finished requests, for the cache hit rate
+        self.cached_tokens_total = 0
+
+    def info(self) -> dict[str, Any]:
+        """What the server reports about the model (get_model_info / get_server_info)."""
+        tok = self.tokenizer
+        return {
+            "model_path": str(self.source.weights_dir or self.source.name),
+            "model_name": self.source.name,
+            "tokenizer_path": str(self.source.tokenizer_dir),
+            "context_length": self.context_length,
+            "vocab_size": self.source.arch.vocab_size,
+            "dtype": self.config.model.dtype,
+            "device": str(self.device),
+            "max_total_tokens": self.allocator.num_slots,
+            "max_running_requests": self.config.scheduler.max_running_requests,
+            "eos_token_ids": sorted(self.eos_ids),
+            "chat_template": getattr(tok, "chat_template", None) is not None,
+        }
+
+    def warm_up(self) -> None:
+        """One short request through every stage, then an empty cache."""
+        self.add_request("warm-up", [self.source.arch.bos_token_id or 1] * 4,
+                         SamplingParams(max_new_tokens=2, temperature=0))
+        while self.has_work:
+            self.step()
+        self.cache.reset()
+        self.steps = self.prompt_tokens_total = self.cached_tokens_total = 0
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -260,6 +288,8 @@ class EngineCore:
 
     def _meta(self, track: _Track) -> dict[str, Any]:
         req = track.req
+        self.prompt_tokens_total += len(req.prompt_ids)
+        self.cached_tokens_total += req.cached_tokens
         now = time.perf_counter()
         meta: dict[str, Any] = {
             "id": req.rid,

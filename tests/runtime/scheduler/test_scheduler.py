@@ -7,7 +7,7 @@ import math
 import pytest
 from sched_sim import Sim, expected_prompt_logits, reference_output
 
-from radixlm.runtime.scheduler import Status
+from radixlm.runtime.scheduler import Scheduled, Status
 from radixlm.runtime.scheduler.scheduler import DEDUP_MIN
 
 
@@ -18,7 +18,7 @@ def assert_outputs_match_reference(sim: Sim) -> None:
             assert req.output_ids == reference_output(req.prompt_ids, req.params.max_new_tokens), req.rid
 
 
-def prefill_steps(sim: Sim, rid: str) -> list[tuple[int, int]]:
+def prefill_steps(sim: Sim, rid: str) -> list[tuple[int, Scheduled]]:
     """(step index, Scheduled) of each step that fed rid's prompt."""
     return [(i, s) for i, step in enumerate(sim.history) for s in step if s.req.rid == rid and s.prefill]
 

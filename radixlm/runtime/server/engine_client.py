@@ -1,0 +1,180 @@
+"""EngineClient: the server process's handle on the engine-core process (asyncio + zmq)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.engine_core import RequestOutput
+from radixlm.runtime.server.engine_process import run_engine_process
+from radixlm.runtime.server.messages import (
+    AbortRequest,
+    AddRequest,
+    Query,
+    Ready,
+    Reply,
+    RequestFailed,
+    Shutdown,
+    StepOutputs,
+)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; requests cannot be served until it is restarted."""
+
+
+class RequestFailedError(Exception):
+    def __init__(self, message: str, bad_input: bool) -> None:
+        super().__init__(message)
+        self.bad_input = bad_input
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._dir = tempfile.mkdtemp(prefix="radixlm-ipc-")
+        self._ctx = zmq.asyncio.Context()
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._to_engine.bind(in_addr)
+        self._from_engine.bind(out_addr)
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, args=(config, in_addr, out_addr), name="radixlm-engine", daemon=True
+        )
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._tokens = itertools.count()
+        self._reader: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.info: dict[str, Any] = {}
+        self.dead: str | None = None  # why the engine is unavailable, once it is
+
+    async def start(self, timeout: float = 600.0) -> dict[str, Any]:
+        """Spawn the engine process and wait until it has loaded and warmed up the model."""
+        self._proc.start()
+        try:
+            msg = await asyncio.wait_for(self._recv_ready(), timeout)
+        except asyncio.TimeoutError:
+            self._proc.kill()
+            raise RuntimeError(f"the engine did not become ready within {timeout:.0f} s") from None
+        if "error" in msg.info:
+            raise RuntimeError(f"the engine failed to start: {msg.info['error']}\n{msg.info.get('traceback', '')}")
+        self.info = msg.info
+        self._reader = asyncio.create_task(self._read_loop())
+        self._watchdog = asyncio.create_task(self._watch())
+        return self.info
+
+    async def _recv_ready(self) -> Ready:
+        while True:
+            if await self._from_engine.poll(500):
+                msg = self._from_engine.recv_pyobj()
+                msg = await msg if asyncio.isfuture(msg) else msg
+                if isinstance(msg, Ready):
+                    return msg
+            elif not self._proc.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self._proc.exitcode} while starting")
+
+    @property
+    def num_active(self) -> int:
+        return len(self._queues)
+
+    async def generate(self, req: AddRequest) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; closing the iterator early aborts the request."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[req.rid] = q
+        finished = False
+        try:
+            await self._to_engine.send_pyobj(req)
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(req.rid, None)
+            if not finished and not self.dead:
+                await self._to_engine.send_pyobj(AbortRequest(req.rid))
+
+    async def abort(self, rid: str) -> None:
+        if not self.dead:
+            await self._to_engine.send_pyobj(AbortRequest(rid))
+
+    async def query(self, kind: str, timeout: float = 30.0) -> dict[str, Any]:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        token = next(self._tokens)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._replies[token] = fut
+        await self._to_engine.send_pyobj(Query(kind, token))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._replies.pop(token, None)
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = await self._from_engine.recv_pyobj()
+            if isinstance(msg, StepOutputs):
+                for out in msg.outputs:
+                    q = self._queues.get(out.rid)
+                    if q is not None:
+                        q.put_nowait(out)
+            elif isinstance(msg, RequestFailed):
+                q = self._queues.get(msg.rid)
+                if q is not None:
+                    q.put_nowait(RequestFailedError(msg.message, msg.bad_input))
+            elif isinstance(msg, Reply):
+                fut = self._replies.get(msg.token)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.payload)
+
+    async def _watch(self) -> None:
+        """Notice a dead engine process: fail everything in flight instead of hanging."""
+        while self._proc.is_alive():
+            await asyncio.sleep(0.2)
+        self._mark_dead(f"the engine process exited (code {self._proc.exitcode})")
+
+    def _mark_dead(self, why: str) -> None:
+        self.dead = why
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(why))
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(why))
+
+    async def close(self, grace: float = 10.0) -> None:
+        """Abort what is in flight, stop the engine process, release the sockets."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._proc.is_alive() and not self.dead:
+            await self._to_engine.send_pyobj(Shutdown())
+            deadline = asyncio.get_running_loop().time() + grace
+            while self._proc.is_alive() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(timeout=5)
+        if self._reader is not None:
+            self._reader.cancel()
+        self._mark_dead("the server is shutting down")
+        self._ctx.destroy(linger=0)
+        for name in ("in", "out"):
+            try:
+                os.unlink(os.path.join(self._dir, name))
+            except FileNotFoundError:
+                pass
+        os.rmdir(self._dir)

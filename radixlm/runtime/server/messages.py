@@ -1,0 +1,61 @@
+"""Typed messages between the server process and the engine-core process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.runtime.engine_core import RequestOutput
+
+
+# server -> engine
+@dataclass(frozen=True)
+class AddRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: dict[str, Any]  # SamplingParams.to_dict()
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Query:
+    """A question with one answer (`Reply` with the same token): 'stats' or 'flush_cache'."""
+
+    kind: str
+    token: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# engine -> server
+@dataclass(frozen=True)
+class Ready:
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    outputs: list[RequestOutput]
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    rid: str
+    message: str
+    bad_input: bool  # True: the request was invalid (HTTP 400); False: the engine failed (500)
+
+
+@dataclass(frozen=True)
+class Reply:
+    token: int
+    payload: dict[str, Any] = field(default_factory=dict)
