@@ -97,7 +97,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise ValueError(f"{gguf_path}: GGUF file not found")
-    reader = gguf.GGUFReader(str(gguf_path))
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # noqa: BLE001 - any parse failure means the same thing to the user
+        raise ValueError(f"{gguf_path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     config = gguf_to_hf_config(reader)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
