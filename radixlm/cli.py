@@ -85,6 +85,48 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+SERVER_HELP = {
+    "host": "address to listen on",
+    "port": "port to listen on (0: any free port, logged at start)",
+    "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
+    "max_queued_requests": "engine requests in flight (running + waiting) before new ones get 429",
+    "max_request_bytes": "largest request body accepted (larger: 413)",
+    "shutdown_grace": "seconds in-flight requests get to finish after SIGTERM/SIGINT, then they are aborted",
+    "served_model_name": "model id reported by /v1/models (default: the model's name)",
+    "max_top_logprobs": "largest top_logprobs_num / top_logprobs / logprobs a request may ask for",
+}
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerSettings field, defaults from the dataclass."""
+    from radixlm.runtime.server.settings import ServerSettings
+
+    group = parser.add_argument_group("ServerSettings")
+    hints = typing.get_type_hints(ServerSettings)
+    for f in dataclasses.fields(ServerSettings):
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_scalar(hints[f.name]),
+                           default=f.default, help=f"{SERVER_HELP.get(f.name, '')} (default: {f.default})")
+
+
+def server_settings(ns: argparse.Namespace) -> Any:
+    from radixlm.runtime.server.settings import ServerSettings
+
+    return ServerSettings(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerSettings)})
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from radixlm.runtime.config import EngineConfig
+    from radixlm.runtime.server.runner import serve
+
+    settings = server_settings(ns)
+    config = EngineConfig.from_kwargs(**engine_options(ns))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(serve(settings, config))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixlm", description="LM programs on a radix-tree KV cache runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="print timing to stderr")
     add_engine_flags(gen)
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="serve the model over HTTP (SGLang native and OpenAI-compatible APIs)")
+    add_server_flags(srv)
+    add_engine_flags(srv)
+    srv.set_defaults(func=_serve)
     return parser
 
 

@@ -85,6 +85,11 @@ class EngineClient:
                 raise RuntimeError(f"the engine process exited with code {self._proc.exitcode} while starting")
 
     @property
+    def pid(self) -> int | None:
+        """The engine process's id (None before start)."""
+        return self._proc.pid
+
+    @property
     def num_active(self) -> int:
         return len(self._queues)
 

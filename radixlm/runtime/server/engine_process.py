@@ -6,6 +6,7 @@ parsing, tokenizing and JSON never stall the model, and the model never stalls t
 
 from __future__ import annotations
 
+import os
 import signal
 import traceback
 from typing import Any
@@ -25,6 +26,8 @@ from radixlm.runtime.server.messages import (
     Shutdown,
     StepOutputs,
 )
+
+PARENT_CHECK_MS = 1000  # while idle, how often the engine checks that the server process still exists
 
 
 def engine_stats(core: EngineCore) -> dict[str, Any]:
@@ -62,8 +65,11 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> Non
     outbox.send_pyobj(Ready(core.info()))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    parent = os.getppid()
     while True:
-        timeout = 0 if core.has_work else None
+        if os.getppid() != parent:  # the server died without a Shutdown (SIGKILL): don't linger as an orphan
+            return
+        timeout = 0 if core.has_work else PARENT_CHECK_MS
         while poller.poll(timeout):
             msg = inbox.recv_pyobj()
             if isinstance(msg, Shutdown):
@@ -85,6 +91,7 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> Non
                     outbox.send_pyobj(RequestFailed(rid, message, bad_input=False))
                 continue
             if outputs:
+                _attach_logprob_deltas(core, outputs)
                 outbox.send_pyobj(StepOutputs(outputs))
 
 
@@ -107,3 +114,18 @@ def _handle(core: EngineCore, msg: Any, outbox: zmq.Socket) -> None:
             outbox.send_pyobj(Reply(msg.token, {"flushed": ok}))
         else:
             outbox.send_pyobj(Reply(msg.token, engine_stats(core)))
+
+
+def _attach_logprob_deltas(core: EngineCore, outputs: list[Any]) -> None:
+    """Give unfinished outputs of logprob requests the logprobs of their new tokens, so a
+    streaming client gets them with each chunk (a finished output's meta holds them all)."""
+    for out in outputs:
+        if out.finished or not out.token_ids_delta:
+            continue
+        track = core.tracks.get(out.rid)
+        if track is None or not track.return_logprob:
+            continue
+        k = len(out.token_ids_delta)
+        out.meta = {"output_token_logprobs": track.output_logprobs[-k:]}
+        if track.top_logprobs_num:
+            out.meta["output_top_logprobs"] = track.output_top_logprobs[-k:]

@@ -1,0 +1,90 @@
+"""The aiohttp application: routes, and the middleware every route shares (errors, auth, limits)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from radixlm.runtime.server import native_api, openai_api
+from radixlm.runtime.server.context import CONTEXT, ServerContext
+from radixlm.runtime.server.errors import ApiError, error_body
+from radixlm.runtime.server.metrics import CONTENT_TYPE
+from radixlm.runtime.server.payload import json_response, too_large
+
+log = logging.getLogger("radixlm.server")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_ROUTES = frozenset({"/health"})  # answered without the API key (load balancers, orchestrators)
+
+
+def create_app(ctx: ServerContext) -> web.Application:
+    app = web.Application(middlewares=[_errors, _guard], client_max_size=ctx.settings.max_request_bytes)
+    app[CONTEXT] = ctx
+    app.add_routes(native_api.routes())
+    app.add_routes(openai_api.routes())
+    app.add_routes([web.get("/metrics", metrics)])
+    return app
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format; engine gauges are refreshed from the engine's stats on each scrape."""
+    ctx = request.app[CONTEXT]
+    await ctx.stats()
+    return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as JSON in OpenAI's shape; bad input is never a 500."""
+    ctx = request.app[CONTEXT]
+    try:
+        resp = await handler(request)
+    except ApiError as e:
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        resp = json_response(e.body(), e.status, headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = json_response(error_body(e.status, _http_message(request, e)), e.status, _allow(e))
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug must still answer, and must not take the server down
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        resp = json_response(error_body(500, f"internal server error: {type(e).__name__}: {e}"), 500)
+    ctx.metrics.http_responses.labels(str(resp.status)).inc()
+    return resp
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """API key, then the body size limit, before any handler reads anything."""
+    settings = request.app[CONTEXT].settings
+    if settings.api_key is not None and request.path not in OPEN_ROUTES:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            what = "is missing" if not header else "is not valid"
+            raise ApiError(401, f"the API key {what}: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+    if request.content_length is not None and request.content_length > settings.max_request_bytes:
+        raise too_large(settings.max_request_bytes)
+    return await handler(request)
+
+
+def _http_message(request: web.Request, e: web.HTTPException) -> str:
+    if e.status == 404:
+        return f"no route {request.method} {request.path}; see docs/server.md for the routes"
+    if e.status == 405:
+        return f"{request.method} is not allowed on {request.path}"
+    if e.status == 413:
+        return f"the request body is larger than the limit of {request.app[CONTEXT].settings.max_request_bytes} bytes"
+    return e.reason
+
+
+def _allow(e: web.HTTPException) -> dict[str, str] | None:
+    allow = e.headers.get("Allow")
+    return {"Allow": allow} if allow else None

@@ -1,0 +1,355 @@
+"""SGLang's native runtime protocol: /generate and the server-management routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.server.context import CONTEXT
+from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs
+from radixlm.runtime.server.errors import ApiError, error_body
+from radixlm.runtime.server.fields import check_keys, get_bool, get_int, get_str, is_token_list
+from radixlm.runtime.server.messages import AddRequest
+from radixlm.runtime.server.payload import finite_logprob, json_response, read_json_object
+from radixlm.runtime.server.sse import ClientGone, open_stream, send_done, send_event
+from radixlm.runtime.server.tokenizer import ServerTokenizer
+
+log = logging.getLogger("radixlm.server")
+
+GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "return_text_in_logprobs", "stream")
+# SGLang fields for features this server lacks: accepted only when empty, so its clients work unchanged.
+GENERATE_UNSUPPORTED = ("image_data", "audio_data", "video_data", "input_embeds", "lora_path", "session_params",
+                        "custom_logit_processor", "return_hidden_states", "token_ids_logprob", "modalities")
+GENERATE_IGNORED = ("log_metrics",)
+HEALTH_GENERATE_TIMEOUT = 30.0
+
+
+@dataclass
+class GenerateSpec:
+    jobs: list[Job]
+    single: bool  # one prompt, n == 1: the response is an object, not a list
+    stream: bool
+    text_in_logprobs: bool
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/generate", generate),
+        web.get("/get_model_info", get_model_info),
+        web.get("/get_server_info", get_server_info),
+        web.get("/health", health),
+        web.get("/health_generate", health_generate),
+        web.post("/flush_cache", flush_cache),
+        web.get("/flush_cache", flush_cache),
+        web.post("/abort_request", abort_request),
+    ]
+
+
+# -- /generate ---------------------------------------------------------------------------
+async def generate(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[CONTEXT]
+    arrival = time.perf_counter()
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    tok, dispatcher = ctx.require_ready()
+    spec = parse_generate(body, tok, ctx.settings.max_top_logprobs)
+    with ctx.busy():
+        try:
+            async with dispatcher.run(spec.jobs, arrival) as events:
+                if spec.stream:
+                    return await _stream(request, spec, events, tok)
+                return await _collect(spec, events, tok)
+        except ApiError as e:
+            if e.status == 400 and e.param is None and "constrained" in e.message:
+                e.param = "sampling_params"  # the engine refused a regex / json_schema / ebnf
+            raise
+
+
+def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> GenerateSpec:
+    """Validate a /generate body into engine jobs; every problem is a 400 naming its field."""
+    check_keys(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_UNSUPPORTED)
+    prompts, single = _prompts(body, tok)
+    b = len(prompts)
+    params = _per_prompt(body, "sampling_params", b)
+    logprob = _per_prompt(body, "return_logprob", b)
+    start = _per_prompt(body, "logprob_start_len", b)
+    top = _per_prompt(body, "top_logprobs_num", b)
+    rids = _rids(body, b)
+    specs: list[PromptSpec] = []
+    for i, ids in enumerate(prompts):
+        try:
+            sp = SamplingParams.from_dict(params[i])
+        except ValueError as e:
+            raise ApiError(400, f"invalid sampling_params: {e}", param="sampling_params") from None
+        specs.append(PromptSpec(
+            prompt_ids=ids,
+            params=sp,
+            user_rid=rids[i],
+            return_logprob=get_bool({"return_logprob": logprob[i]}, "return_logprob"),
+            logprob_start_len=get_int({"logprob_start_len": start[i]}, "logprob_start_len", -1, lo=-1),
+            top_logprobs_num=get_int({"top_logprobs_num": top[i]}, "top_logprobs_num", 0, lo=0, hi=max_top),
+        ))
+    jobs = expand_jobs(specs)
+    return GenerateSpec(
+        jobs=jobs,
+        single=single and len(jobs) == 1,
+        stream=get_bool(body, "stream"),
+        text_in_logprobs=get_bool(body, "return_text_in_logprobs"),
+    )
+
+
+def _prompts(body: dict[str, Any], tok: ServerTokenizer) -> tuple[list[list[int]], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError(400, "give exactly one of text or input_ids", param="text" if text is not None else None)
+    if text is not None:
+        if isinstance(text, str):
+            return [tok.encode_text(text, "text")], True
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [tok.encode_text(t, f"text[{i}]") for i, t in enumerate(text)], False
+        raise ApiError(400, "text must be a string or a non-empty list of strings", param="text")
+    if ids == []:
+        raise ApiError(400, "input_ids is empty; give at least one token", param="input_ids")
+    if is_token_list(ids):
+        tok.check_prompt(ids, "input_ids")
+        return [list(ids)], True
+    if isinstance(ids, list) and all(is_token_list(x) for x in ids):
+        for i, x in enumerate(ids):
+            tok.check_prompt(x, f"input_ids[{i}]")
+        return [list(x) for x in ids], False
+    raise ApiError(400, "input_ids must be a list of integer token ids, or a list of such lists", param="input_ids")
+
+
+def _per_prompt(body: dict[str, Any], key: str, b: int) -> list[Any]:
+    """A field given once for all prompts, or as a list with one entry per prompt."""
+    v = body.get(key)
+    values = v if isinstance(v, list) else [v] * b
+    if len(values) != b:
+        raise ApiError(400, f"{key} has {len(values)} entries for {b} prompts; give one, or one per prompt", key)
+    return values
+
+
+def _rids(body: dict[str, Any], b: int) -> list[str]:
+    rid = body.get("rid")
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(b)]
+    rids = [rid] if isinstance(rid, str) else rid
+    if not isinstance(rids, list) or not all(isinstance(r, str) and r for r in rids):
+        raise ApiError(400, "rid must be a non-empty string, or a list of them for a batch", param="rid")
+    if len(rids) != b:
+        raise ApiError(400, f"rid has {len(rids)} ids for {b} prompts; give one per prompt", param="rid")
+    return rids
+
+
+async def _collect(spec: GenerateSpec, events: Any, tok: ServerTokenizer) -> web.Response:
+    n = len(spec.jobs)
+    texts, ids = [""] * n, [[] for _ in range(n)]
+    metas: list[dict[str, Any]] = [{} for _ in range(n)]
+    async for ev in events:
+        if ev.error is not None:
+            raise ev.error
+        out = ev.output
+        texts[ev.index] += out.text_delta
+        ids[ev.index].extend(out.token_ids_delta)
+        if out.finished:
+            metas[ev.index] = out.meta
+    results = [
+        {"text": texts[i], "output_ids": ids[i], "meta_info": native_meta(metas[i], tok, spec.text_in_logprobs)}
+        for i in range(n)
+    ]
+    return json_response(results[0] if spec.single else results)
+
+
+async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: ServerTokenizer) -> web.StreamResponse:
+    """SGLang's stream: each chunk holds the text and output ids so far (cumulative)."""
+    n = len(spec.jobs)
+    texts, ids = [""] * n, [[] for _ in range(n)]
+    lps: list[list[Any]] = [[] for _ in range(n)]
+    tops: list[list[Any]] = [[] for _ in range(n)]
+    it = events.__aiter__()
+    first: Event = await it.__anext__()
+    if first.error is not None:
+        raise first.error  # nothing sent yet: a plain HTTP error
+    resp = await open_stream(request)
+    try:
+        ev: Event | None = first
+        while ev is not None:
+            if ev.error is not None:
+                await send_event(resp, ev.error.body())
+                break
+            i, out = ev.index, ev.output
+            texts[i] += out.text_delta
+            ids[i].extend(out.token_ids_delta)
+            if out.finished:
+                meta = native_meta(out.meta, tok, spec.text_in_logprobs)
+            else:
+                lps[i].extend(out.meta.get("output_token_logprobs", ()))
+                tops[i].extend(out.meta.get("output_top_logprobs", ()))
+                meta = _partial_meta(spec.jobs[i].request, len(ids[i]), lps[i], tops[i], tok,
+                                     spec.text_in_logprobs)
+            if out.finished or out.text_delta or out.token_ids_delta:
+                chunk: dict[str, Any] = {"text": texts[i], "output_ids": ids[i], "meta_info": meta}
+                if not spec.single:
+                    chunk["index"] = i
+                await send_event(resp, chunk)
+            ev = await _next(it)
+        await send_done(resp)
+    except ClientGone:
+        pass  # leaving the dispatcher's context aborts what is still running
+    except Exception as e:  # noqa: BLE001 - headers are sent: the error can only go in the stream
+        log.exception("stream failed")
+        with contextlib.suppress(ClientGone):
+            await send_event(resp, error_body(500, f"internal server error: {type(e).__name__}: {e}"))
+    return resp
+
+
+async def _next(it: Any) -> Event | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _partial_meta(req: AddRequest, completion: int, lps: list[Any], tops: list[Any], tok: ServerTokenizer,
+                  text: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.prompt_ids),
+                            "completion_tokens": completion}
+    if req.return_logprob:
+        meta["output_token_logprobs"] = native_logprobs(lps, tok, text)
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = [native_logprobs(step, tok, text) for step in tops]
+    return meta
+
+
+def native_meta(meta: dict[str, Any], tok: ServerTokenizer, text: bool) -> dict[str, Any]:
+    """The engine's final meta in SGLang's shape: logprobs as [logprob, token_id, text|null]."""
+    out = dict(meta)
+    reason = dict(out.get("finish_reason") or {})
+    if reason.get("type") == "length":
+        reason["length"] = out.get("completion_tokens", 0)
+    out["finish_reason"] = reason or None
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if key in out:
+            out[key] = native_logprobs(out[key], tok, text)
+    if "output_top_logprobs" in out:
+        out["output_top_logprobs"] = [native_logprobs(step, tok, text) for step in out["output_top_logprobs"]]
+    return out
+
+
+def native_logprobs(entries: Any, tok: ServerTokenizer, text: bool) -> list[list[Any]]:
+    return [[finite_logprob(lp), tid, tok.token_text(tid) if text else None] for lp, tid in entries]
+
+
+# -- management routes -------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    """200 once the model is loaded and warmed up; 503 while starting, draining, or if the engine died."""
+    ctx = request.app[CONTEXT]
+    why = ctx.unavailable()
+    if why is not None:
+        raise ApiError(503, why, code="unavailable")
+    return json_response({"status": "ok"})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Healthy only if the engine completes a one-token generation."""
+    ctx = request.app[CONTEXT]
+    arrival = time.perf_counter()
+    tok, dispatcher = ctx.require_ready()
+    ids = tok.encode_text("ping", "text")
+    params = SamplingParams(max_new_tokens=1, temperature=0).to_dict()
+    job = Job(0, AddRequest(f"health-{uuid.uuid4().hex}", ids, params), "health")
+
+    async def one_token() -> None:
+        async with dispatcher.run([job], arrival, admit=False) as events:
+            async for ev in events:
+                if ev.error is not None:
+                    raise ApiError(503, f"the engine failed a test generation: {ev.error.message}")
+
+    with ctx.busy():
+        try:
+            await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"the engine did not finish a one-token generation within "
+                                f"{HEALTH_GENERATE_TIMEOUT:.0f} s") from None
+    return json_response({"status": "ok"})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    ctx.require_engine()
+    info, tok = ctx.info, ctx.tokenizer
+    return json_response({
+        "model_path": info["model_path"],
+        "tokenizer_path": info["tokenizer_path"],
+        "model_name": info["model_name"],
+        "served_model_name": ctx.model_name,
+        "is_generation": True,
+        "context_length": info["context_length"],
+        "vocab_size": info["vocab_size"],
+        "eos_token_ids": info["eos_token_ids"],
+        "chat_template": tok.chat_template_name if tok is not None else None,
+        "dtype": info.get("dtype"),
+    })
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    client = ctx.require_engine()
+    stats = await ctx.stats()
+    settings = dataclasses.asdict(ctx.settings)
+    settings["api_key"] = "<set>" if settings["api_key"] else None
+    return json_response({
+        "version": _version(),
+        "phase": ctx.phase.value,
+        "uptime_s": time.time() - ctx.started_at,
+        "server_settings": settings,
+        "engine_config": dataclasses.asdict(ctx.engine_config),
+        "engine": ctx.info,
+        "engine_pid": client.pid,
+        "stats": stats,
+        "requests_in_flight": ctx.dispatcher.num_active if ctx.dispatcher else 0,
+        "http_handlers_in_flight": ctx.num_busy,
+    })
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Drop every cached prefix; refused (400, as SGLang) while requests are in flight."""
+    ctx = request.app[CONTEXT]
+    client = ctx.require_engine()
+    reply = await client.query("flush_cache")
+    if not reply.get("flushed"):
+        raise ApiError(400, "cache not flushed: requests are in flight; retry when the server is idle")
+    return json_response({"flushed": True, "message": "Cache flushed."})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """Abort one request by its rid (all its n copies), or every request with abort_all."""
+    ctx = request.app[CONTEXT]
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    check_keys(body, ("rid", "abort_all"))
+    ctx.require_engine()
+    abort_all = get_bool(body, "abort_all")
+    rid = get_str(body, "rid")
+    if rid is None and not abort_all:
+        raise ApiError(400, "give rid (the request to abort) or abort_all: true", param="rid")
+    dispatcher = ctx.dispatcher
+    count = await dispatcher.abort(None if abort_all else rid) if dispatcher is not None else 0
+    return json_response({"aborted": count})
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("radixlm")
+    except PackageNotFoundError:
+        return "unknown"

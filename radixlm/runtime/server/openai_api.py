@@ -1,0 +1,536 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (with SSE streaming)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.server.context import CONTEXT, ServerContext
+from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs
+from radixlm.runtime.server.errors import ApiError, error_body
+from radixlm.runtime.server.fields import (
+    check_keys,
+    get_bool,
+    get_float,
+    get_int,
+    get_object,
+    get_stop,
+    get_str,
+    is_int,
+    is_token_list,
+)
+from radixlm.runtime.server.payload import finite_logprob, json_response, read_json_object
+from radixlm.runtime.server.sse import ClientGone, open_stream, send_done, send_event
+from radixlm.runtime.server.tokenizer import ServerTokenizer
+
+log = logging.getLogger("radixlm.server")
+
+MAX_N = 128
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+                 "presence_penalty", "frequency_penalty", "seed")
+# SGLang / vLLM extensions (the openai client sends them through extra_body).
+EXTRA_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+                "spaces_between_special_tokens", "stop_token_ids", "no_stop_trim", "regex", "json_schema", "ebnf")
+COMPLETION_FIELDS = (*COMMON_FIELDS, *EXTRA_FIELDS, "prompt", "echo", "logprobs", "best_of")
+CHAT_FIELDS = (*COMMON_FIELDS, *EXTRA_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
+               "response_format", "tool_choice")
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_retention", "reasoning_effort", "verbosity", "parallel_tool_calls")
+UNSUPPORTED_FIELDS = ("suffix", "logit_bias", "tools", "functions", "function_call", "audio", "prediction",
+                      "web_search_options", "modalities")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Our option names -> the engine's, for error messages that name what the client sent.
+_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.get("/v1/models", list_models),
+        web.get("/v1/models/{model:.+}", get_model),
+        web.post("/v1/completions", completions),
+        web.post("/v1/chat/completions", chat_completions),
+    ]
+
+
+# -- models ------------------------------------------------------------------------------
+def _model_card(ctx: ServerContext) -> dict[str, Any]:
+    return {"id": ctx.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "radixlm",
+            "root": ctx.info.get("model_path"), "max_model_len": ctx.info.get("context_length")}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    ctx.require_engine()
+    return json_response({"object": "list", "data": [_model_card(ctx)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    ctx.require_engine()
+    name = request.match_info["model"]
+    if name != ctx.model_name:
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+    return json_response(_model_card(ctx))
+
+
+# -- shared request handling -------------------------------------------------------------
+@dataclass
+class Plan:
+    """A validated OpenAI request: engine jobs plus how to render their outputs."""
+
+    kind: str  # "chat" | "completion"
+    rid: str
+    jobs: list[Job]
+    n: int
+    stream: bool
+    include_usage: bool
+    prompt_lens: list[int]  # per prompt
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo_texts: list[str] = field(default_factory=list)  # per prompt, completions with echo
+    constraint_param: str | None = None  # the field that asked for constrained decoding
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int | None, default_max: int) -> dict[str, Any]:
+    """OpenAI fields (plus SGLang extensions) as native sampling_params; 400s name the OpenAI field."""
+    d: dict[str, Any] = {
+        "max_new_tokens": default_max if max_tokens is None else max_tokens,
+        "temperature": get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        "top_p": get_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        "presence_penalty": get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        "frequency_penalty": get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        "seed": get_int(body, "seed"),
+        "stop": get_stop(body),
+        "top_k": get_int(body, "top_k", -1),
+        "min_p": get_float(body, "min_p", 0.0),
+        "repetition_penalty": get_float(body, "repetition_penalty", 1.0),
+        "min_new_tokens": get_int(body, "min_tokens", 0, lo=0),
+        "ignore_eos": get_bool(body, "ignore_eos"),
+        "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
+        "spaces_between_special_tokens": get_bool(body, "spaces_between_special_tokens", True),
+        "no_stop_trim": get_bool(body, "no_stop_trim"),
+        "regex": get_str(body, "regex"),
+        "ebnf": get_str(body, "ebnf"),
+    }
+    ids = body.get("stop_token_ids")
+    if ids is not None and not is_token_list(ids):
+        raise ApiError(400, "stop_token_ids must be a list of integer token ids", param="stop_token_ids")
+    d["stop_token_ids"] = ids or []
+    schema = body.get("json_schema")
+    if schema is not None:
+        if not isinstance(schema, (str, dict)):
+            raise ApiError(400, "json_schema must be a JSON schema (object or string)", param="json_schema")
+        d["json_schema"] = schema
+    return d
+
+
+def _params(d: dict[str, Any], n: int) -> SamplingParams:
+    try:
+        return SamplingParams.from_dict({**d, "n": n})
+    except ValueError as e:
+        message = str(e)
+        for ours, theirs in _RENAMES.items():
+            message = message.replace(ours, theirs)
+        raise ApiError(400, message) from None
+
+
+def _common(body: Mapping[str, Any]) -> tuple[int, bool, bool]:
+    get_str(body, "model")
+    n = get_int(body, "n", 1, lo=1, hi=MAX_N)
+    stream = get_bool(body, "stream")
+    opts = get_object(body, "stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        check_keys(opts, ("include_usage", "continuous_usage_stats"))
+        include_usage = get_bool(opts, "include_usage")
+    return n, stream, include_usage
+
+
+def _finish_reason(meta: Mapping[str, Any]) -> str | None:
+    reason = meta.get("finish_reason") or {}
+    return reason.get("type")
+
+
+def _matched_stop(meta: Mapping[str, Any]) -> str | int | None:
+    return (meta.get("finish_reason") or {}).get("matched")
+
+
+def _usage(plan: Plan, metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (as OpenAI does for n > 1); completions add up."""
+    prompt = sum(plan.prompt_lens)
+    completion = sum(int(m.get("completion_tokens", 0)) for m in metas)
+    cached = sum(int(metas[i].get("cached_tokens", 0)) for i in range(0, len(metas), plan.n))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _constraint_error(plan_param: str | None, e: ApiError) -> ApiError:
+    if e.status == 400 and e.param is None and plan_param is not None and "constrained" in e.message:
+        e.param = plan_param
+    return e
+
+
+async def _run(request: web.Request, ctx: ServerContext, plan: Plan, arrival: float,
+               tok: ServerTokenizer) -> web.StreamResponse:
+    assert ctx.dispatcher is not None
+    with ctx.busy():
+        try:
+            async with ctx.dispatcher.run(plan.jobs, arrival) as events:
+                if plan.stream:
+                    return await _stream(request, ctx, plan, events, tok)
+                return await _collect(ctx, plan, events, tok)
+        except ApiError as e:
+            raise _constraint_error(plan.constraint_param, e) from None
+
+
+async def _collect(ctx: ServerContext, plan: Plan, events: Any, tok: ServerTokenizer) -> web.Response:
+    count = len(plan.jobs)
+    texts = [""] * count
+    metas: list[dict[str, Any]] = [{} for _ in range(count)]
+    async for ev in events:
+        if ev.error is not None:
+            raise ev.error
+        texts[ev.index] += ev.output.text_delta
+        if ev.output.finished:
+            metas[ev.index] = ev.output.meta
+    choices = []
+    for i in range(count):
+        meta = metas[i]
+        if plan.kind == "chat":
+            lp = None
+            if plan.logprobs:
+                lp = {"content": _chat_logprobs(meta.get("output_token_logprobs", []),
+                                                meta.get("output_top_logprobs"), plan.top_logprobs, tok),
+                      "refusal": None}
+            choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lp,
+                            "finish_reason": _finish_reason(meta), "matched_stop": _matched_stop(meta)})
+        else:
+            text, lp = texts[i], None
+            if plan.echo_texts:
+                text = plan.echo_texts[i // plan.n] + text
+            if plan.logprobs:
+                entries = list(meta.get("output_token_logprobs", []))
+                tops = list(meta.get("output_top_logprobs") or [])
+                if plan.echo_texts:
+                    prompt_entries = list(meta.get("input_token_logprobs", []))
+                    entries = prompt_entries + entries
+                    tops = [None] * len(prompt_entries) + tops
+                lp = _completion_logprobs(entries, tops, plan.top_logprobs, tok, 0)
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish_reason(meta),
+                            "matched_stop": _matched_stop(meta)})
+    body = {"id": plan.rid, "object": "chat.completion" if plan.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": ctx.model_name, "choices": choices,
+            "usage": _usage(plan, metas)}
+    if plan.kind == "chat":
+        body["system_fingerprint"] = None
+    return json_response(body)
+
+
+async def _stream(request: web.Request, ctx: ServerContext, plan: Plan, events: Any,
+                  tok: ServerTokenizer) -> web.StreamResponse:
+    it = events.__aiter__()
+    first: Event = await it.__anext__()
+    if first.error is not None:
+        raise first.error  # nothing sent yet: a plain HTTP error
+    count = len(plan.jobs)
+    created = int(time.time())
+    chat = plan.kind == "chat"
+    metas: list[dict[str, Any]] = [{} for _ in range(count)]
+    sent_lp = [0] * count  # logprob entries already sent, per choice
+    text_offset = [0] * count
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        c = {"id": plan.rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+             "model": ctx.model_name, "choices": choices}
+        if chat:
+            c["system_fingerprint"] = None
+        if plan.include_usage:
+            c["usage"] = None
+        return c
+
+    resp = await open_stream(request)
+    try:
+        if chat:
+            for i in range(count):
+                await send_event(resp, chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]))
+        elif plan.echo_texts:
+            for i in range(count):
+                echo = plan.echo_texts[i // plan.n]
+                await send_event(resp, chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]))
+        ev: Event | None = first
+        while ev is not None:
+            if ev.error is not None:
+                await send_event(resp, _constraint_error(plan.constraint_param, ev.error).body())
+                break
+            i, out = ev.index, ev.output
+            lp: Any = None
+            if plan.logprobs:
+                if out.finished:
+                    metas[i] = out.meta
+                    entries = out.meta.get("output_token_logprobs", [])[sent_lp[i]:]
+                    tops = (out.meta.get("output_top_logprobs") or [])[sent_lp[i]:]
+                else:
+                    entries = out.meta.get("output_token_logprobs", [])
+                    tops = out.meta.get("output_top_logprobs") or []
+                sent_lp[i] += len(entries)
+                if entries:
+                    if chat:
+                        lp = {"content": _chat_logprobs(entries, tops, plan.top_logprobs, tok), "refusal": None}
+                    else:
+                        lp = _completion_logprobs(entries, tops, plan.top_logprobs, tok, text_offset[i])
+                        text_offset[i] += sum(len(t) for t in lp["tokens"])
+            elif out.finished:
+                metas[i] = out.meta
+            reason = _finish_reason(out.meta) if out.finished else None
+            if out.text_delta or lp is not None or out.finished:
+                if chat:
+                    delta = {"content": out.text_delta} if out.text_delta else {}
+                    choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+                else:
+                    choice = {"index": i, "text": out.text_delta, "logprobs": lp, "finish_reason": reason}
+                if out.finished:
+                    choice["matched_stop"] = _matched_stop(out.meta)
+                await send_event(resp, chunk([choice]))
+            ev = await _next(it)
+        else:
+            if plan.include_usage:
+                final = chunk([])
+                final["usage"] = _usage(plan, metas)
+                await send_event(resp, final)
+        await send_done(resp)
+    except ClientGone:
+        pass  # leaving the dispatcher's context aborts what is still running
+    except Exception as e:  # noqa: BLE001 - headers are sent: the error can only go in the stream
+        log.exception("stream failed")
+        with contextlib.suppress(ClientGone):
+            await send_event(resp, error_body(500, f"internal server error: {type(e).__name__}: {e}"))
+    return resp
+
+
+async def _next(it: Any) -> Event | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _chat_logprobs(entries: Any, tops: Any, k: int, tok: ServerTokenizer) -> list[dict[str, Any]]:
+    out = []
+    for j, (lp, tid) in enumerate(entries):
+        text = tok.token_text(tid)
+        top_list = []
+        if k and tops and j < len(tops) and tops[j]:
+            for tlp, ttid in tops[j][:k]:
+                ttext = tok.token_text(ttid)
+                top_list.append({"token": ttext, "logprob": finite_logprob(tlp), "bytes": list(ttext.encode())})
+        out.append({"token": text, "logprob": finite_logprob(lp), "bytes": list(text.encode()),
+                    "top_logprobs": top_list})
+    return out
+
+
+def _completion_logprobs(entries: Any, tops: Any, k: int, tok: ServerTokenizer, offset: int) -> dict[str, Any]:
+    tokens, token_lps, top_dicts, offsets = [], [], [], []
+    for j, (lp, tid) in enumerate(entries):
+        text = tok.token_text(tid)
+        tokens.append(text)
+        token_lps.append(finite_logprob(lp))
+        offsets.append(offset)
+        offset += len(text)
+        step = tops[j] if tops and j < len(tops) else None
+        if step is None and lp is None:
+            top_dicts.append(None)
+            continue
+        d: dict[str, float | None] = {}
+        for tlp, ttid in (step or [])[:k]:
+            d.setdefault(tok.token_text(ttid), finite_logprob(tlp))
+        if lp is not None:
+            d.setdefault(text, finite_logprob(lp))  # OpenAI always includes the sampled token
+        top_dicts.append(d)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top_dicts, "text_offset": offsets}
+
+
+# -- /v1/completions ---------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[CONTEXT]
+    arrival = time.perf_counter()
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    tok, _ = ctx.require_ready()
+    plan = plan_completion(body, tok, ctx.settings.max_top_logprobs)
+    return await _run(request, ctx, plan, arrival, tok)
+
+
+def plan_completion(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> Plan:
+    check_keys(body, COMPLETION_FIELDS, IGNORED_FIELDS, UNSUPPORTED_FIELDS)
+    n, stream, include_usage = _common(body)
+    best_of = get_int(body, "best_of", n, lo=1)
+    if best_of != n:
+        raise ApiError(400, f"best_of must equal n ({n}): this server returns every sample it draws",
+                       param="best_of")
+    prompts = _completion_prompts(body, tok)
+    logprobs = get_int(body, "logprobs", None, lo=0, hi=max_top)
+    echo = get_bool(body, "echo")
+    if echo and logprobs is not None and stream:
+        raise ApiError(400, "echo with logprobs is not available when streaming; drop stream or logprobs",
+                       param="echo")
+    max_tokens = get_int(body, "max_tokens", None, lo=0)
+    params = _params(_sampling(body, max_tokens, 16), n)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    specs = [
+        PromptSpec(ids, params, rid if len(prompts) == 1 else f"{rid}-{p}", return_logprob=logprobs is not None,
+                   logprob_start_len=0 if echo and logprobs is not None else -1, top_logprobs_num=logprobs or 0)
+        for p, ids in enumerate(prompts)
+    ]
+    return Plan(
+        kind="completion", rid=rid, jobs=expand_jobs(specs), n=n, stream=stream, include_usage=include_usage,
+        prompt_lens=[len(p) for p in prompts], logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+        echo_texts=[_prompt_text(body, p, ids, tok) for p, ids in enumerate(prompts)] if echo else [],
+        constraint_param=_constraint_field(body),
+    )
+
+
+def _completion_prompts(body: Mapping[str, Any], tok: ServerTokenizer) -> list[list[int]]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "prompt is required", param="prompt")
+    if isinstance(prompt, str):
+        return [tok.encode_text(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [tok.encode_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if all(is_int(t) for t in prompt):
+            tok.check_prompt(prompt, "prompt")
+            return [list(prompt)]
+        if all(is_token_list(p) for p in prompt):
+            for i, p in enumerate(prompt):
+                tok.check_prompt(p, f"prompt[{i}]")
+            return [list(p) for p in prompt]
+    if prompt == []:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of such lists",
+                   param="prompt")
+
+
+def _prompt_text(body: Mapping[str, Any], p: int, ids: list[int], tok: ServerTokenizer) -> str:
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt[p], str):
+        return prompt[p]
+    return tok.decode(ids)
+
+
+def _constraint_field(body: Mapping[str, Any]) -> str | None:
+    for key in ("response_format", "json_schema", "regex", "ebnf"):
+        if body.get(key) is not None:
+            return key
+    return None
+
+
+# -- /v1/chat/completions ----------------------------------------------------------------
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[CONTEXT]
+    arrival = time.perf_counter()
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    tok, _ = ctx.require_ready()
+    plan = plan_chat(body, tok, ctx.settings.max_top_logprobs)
+    return await _run(request, ctx, plan, arrival, tok)
+
+
+def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> Plan:
+    check_keys(body, CHAT_FIELDS, IGNORED_FIELDS, UNSUPPORTED_FIELDS)
+    n, stream, include_usage = _common(body)
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice is not supported by this server (no tools)", param="tool_choice")
+    ids = tok.encode_chat(_messages(body))
+    logprobs = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", 0, lo=0, hi=max_top)
+    if top and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    max_tokens = get_int(body, "max_completion_tokens", None, lo=0)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, lo=0)
+    d = _sampling(body, max_tokens, tok.context_length - len(ids))
+    _response_format(body, d)
+    params = _params(d, n)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    spec = PromptSpec(ids, params, rid, return_logprob=logprobs, top_logprobs_num=top if logprobs else 0)
+    return Plan(kind="chat", rid=rid, jobs=expand_jobs([spec]), n=n, stream=stream, include_usage=include_usage,
+                prompt_lens=[len(ids)], logprobs=logprobs, top_logprobs=top, constraint_param=_constraint_field(body))
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: role + string content."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object with role and content", param=where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                           param=f"{where}.role")
+        if m.get("tool_calls"):
+            raise ApiError(400, f"{where}.tool_calls is not supported by this server", param=f"{where}.tool_calls")
+        content = _content(m.get("content"), f"{where}.content", role)
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _content(content: Any, where: str, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"{where}[{j}] must be a text part {{type: text, text}}; this model reads "
+                                    f"text only, got {kind!r}", param=f"{where}[{j}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"{where} must be a string or a list of text parts", param=where)
+
+
+def _response_format(body: Mapping[str, Any], d: dict[str, Any]) -> None:
+    """json_object / json_schema become a JSON-schema constraint (the engine says if it can)."""
+    rf = get_object(body, "response_format")
+    if rf is None:
+        return
+    kind = rf.get("type")
+    if kind == "text":
+        return
+    if d.get("regex") or d.get("ebnf") or d.get("json_schema"):
+        raise ApiError(400, "give response_format or one of regex / json_schema / ebnf, not both",
+                       param="response_format")
+    if kind == "json_object":
+        d["json_schema"] = {"type": "object"}
+    elif kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        d["json_schema"] = json.dumps(schema)
+    else:
+        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                       param="response_format")
+

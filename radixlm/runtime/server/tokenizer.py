@@ -1,0 +1,88 @@
+"""The server process's tokenizer: prompts to token ids, chat templates, token texts for logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from radixlm.runtime.server.errors import ApiError
+
+_TOKEN_TEXT_CACHE = 65536
+
+
+class ServerTokenizer:
+    """Wraps a transformers tokenizer with the checks the API boundary needs."""
+
+    def __init__(self, tokenizer: Any, context_length: int, vocab_size: int) -> None:
+        self.tok = tokenizer
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self._texts: dict[int, str] = {}
+
+    @classmethod
+    def load(cls, info: Mapping[str, Any]) -> ServerTokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])
+        return cls(tok, int(info["context_length"]), int(info["vocab_size"]))
+
+    # -- prompts ------------------------------------------------------------------------
+    def encode_text(self, text: str, param: str) -> list[int]:
+        ids = list(self.tok.encode(text))
+        self.check_prompt(ids, param)
+        return ids
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], param: str = "messages") -> list[int]:
+        """Apply the model's chat template with the assistant's turn opened, then tokenize."""
+        if getattr(self.tok, "chat_template", None) is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions with a prompt", param=param)
+        try:
+            text = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages a template rejects
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param=param) from None
+        ids = list(self.tok.encode(text, add_special_tokens=False))
+        self.check_prompt(ids, param)
+        return ids
+
+    def check_prompt(self, ids: Sequence[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, f"{param} is empty; give at least one token", param=param)
+        if len(ids) >= self.context_length:
+            raise ApiError(
+                400,
+                f"{param} has {len(ids)} tokens, more than fits the context length of {self.context_length} "
+                "tokens (the output needs at least one); shorten it",
+                param=param,
+            )
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"{param} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
+
+    # -- outputs ------------------------------------------------------------------------
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token on its own, as text (a partial UTF-8 character decodes to U+FFFD)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.tok.decode([token_id], skip_special_tokens=False)
+            if len(self._texts) >= _TOKEN_TEXT_CACHE:
+                self._texts.clear()
+            self._texts[token_id] = text
+        return text
+
+    @property
+    def chat_template_name(self) -> str | None:
+        """A family name for the chat template (what SGLang's get_model_info reports)."""
+        template = getattr(self.tok, "chat_template", None)
+        if not template:
+            return None
+        if not isinstance(template, str):
+            return "custom"
+        for marker, name in (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama-3"),
+                             ("[INST]", "llama-2"), ("<start_of_turn>", "gemma")):
+            if marker in template:
+                return name
+        return "custom"

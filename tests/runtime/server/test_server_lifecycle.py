@@ -1,0 +1,77 @@
+"""Auth, backpressure and shutdown of a real `radixlm serve` process (bf16, --api-key, one request at a time)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import aiohttp
+import pytest
+from server_harness import Server, next_event, read_sse, start_server
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-secret"
+LONG = {"text": "Write a long story.", "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server("--max-total-tokens", "4096", "--max-queued-requests", "1", "--shutdown-grace", "120",
+                     api_key=KEY)
+    yield s
+    s.stop()  # already stopped by test_sigterm_drains_in_flight_request when the module runs whole
+
+
+def test_api_key(server: Server):
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+    status, got = server.post("/generate", body, headers={"Authorization": ""})
+    assert status == 401 and got["error"]["type"] == "authentication_error" and "missing" in got["error"]["message"]
+    status, got = server.post("/generate", body, headers={"Authorization": "Bearer wrong"})
+    assert status == 401 and "not valid" in got["error"]["message"]
+    for path in ("/v1/models", "/metrics", "/get_server_info", "/get_model_info"):
+        assert server.get(path, headers={"Authorization": "Bearer nope"})[0] == 401, path
+    assert server.get("/health", headers={"Authorization": ""})[0] == 200  # open to load balancers
+    status, got = server.post("/generate", body)  # with the key
+    assert status == 200 and got["meta_info"]["completion_tokens"] == 1
+
+
+def test_backpressure_429(server: Server):
+    headers = server.headers
+
+    async def run() -> tuple[int, dict]:
+        async with aiohttp.ClientSession(headers=headers) as s:
+            async with s.post(server.url + "/generate", json=LONG) as first:
+                assert first.status == 200
+                await next_event(first)  # the one allowed request is in flight
+                async with s.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}) as r:
+                    return r.status, await r.json()
+
+    status, got = asyncio.run(run())
+    assert status == 429 and got["error"]["type"] == "rate_limit_error" and "capacity" in got["error"]["message"]
+    # the first request was dropped with its connection; the slot comes back
+    server.wait_until("the dropped request to end", lambda i: i["requests_in_flight"] == 0
+                      and i["stats"]["running_requests"] == 0)
+    assert server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}})[0] == 200
+
+
+def test_sigterm_drains_in_flight_request(server: Server):
+    engine_pid = server.server_info()["engine_pid"]
+    body = {**LONG, "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}}
+
+    async def run() -> list:
+        async with aiohttp.ClientSession(headers=server.headers) as s:
+            async with s.post(server.url + "/generate", json=body) as resp:
+                first = await next_event(resp)
+                server.proc.send_signal(signal.SIGTERM)  # mid-stream
+                return [first, *await read_sse(resp)]
+
+    events = asyncio.run(run())
+    assert events[-1] == "[DONE]"
+    final = events[-2]["meta_info"]
+    assert final["finish_reason"]["type"] == "length" and final["completion_tokens"] == 24  # finished, not aborted
+    assert server.proc.wait(60) == 0
+    assert "stopped" in server.log()
+    with pytest.raises(ProcessLookupError):  # the engine process went with it
+        os.kill(engine_pid, 0)
