@@ -201,7 +201,7 @@ class Engine:
                 try:
                     self.core.add_request(s.rid, s.prompt_ids, s.params, s.return_logprob,
                                           s.logprob_start_len, s.top_logprobs_num)
-                except ValueError as e:
+                except ValueError:
                     for b in boxes[:-1]:
                         self.abort(b.rid)
                     raise
@@ -226,26 +226,26 @@ class Engine:
             for out in outputs:
                 self._deliver(out)
 
+    def _try_step(self) -> bool:
+        """Step if no other caller is driving; False when another one is (our outputs arrive
+        through it)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._step_once()
+        finally:
+            self._lock.release()
+        return True
+
     def _drive(self, done: Callable[[], bool]) -> None:
         while not done():
-            if self._lock.acquire(blocking=False):
-                try:
-                    self._step_once()
-                finally:
-                    self._lock.release()
-            else:  # another caller is driving; our outputs arrive through it
+            if not self._try_step():
                 time.sleep(0.001)
 
     async def _async_drive(self, done: Callable[[], bool]) -> None:
+        await asyncio.sleep(0)  # let coroutines started in the same tick submit before the first step
         while not done():
-            if self._lock.acquire(blocking=False):
-                try:
-                    self._step_once()
-                finally:
-                    self._lock.release()
-                await asyncio.sleep(0)
-            else:
-                await asyncio.sleep(0.001)
+            await asyncio.sleep(0 if self._try_step() else 0.001)
 
     def _deliver(self, out: RequestOutput) -> None:
         box = self._boxes.get(out.rid)

@@ -160,3 +160,11 @@ def expand_jobs(prompts: list[PromptSpec]) -> list[Job]:
                              p.top_logprobs_num)
             jobs.append(Job(len(jobs), req, p.user_rid))
     return jobs
+
+
+async def next_event(it: AsyncIterator[Event]) -> Event | None:
+    """The next event of a dispatcher stream, or None when it has ended."""
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.context import CONTEXT
-from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs
+from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs, next_event
 from radixlm.runtime.server.errors import ApiError, error_body
 from radixlm.runtime.server.fields import check_keys, get_bool, get_int, get_str, is_token_list
 from radixlm.runtime.server.messages import AddRequest
@@ -201,7 +201,7 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
                 if not spec.single:
                     chunk["index"] = i
                 await send_event(resp, chunk)
-            ev = await _next(it)
+            ev = await next_event(it)
         await send_done(resp)
     except ClientGone:
         pass  # leaving the dispatcher's context aborts what is still running
@@ -210,13 +210,6 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
         with contextlib.suppress(ClientGone):
             await send_event(resp, error_body(500, f"internal server error: {type(e).__name__}: {e}"))
     return resp
-
-
-async def _next(it: Any) -> Event | None:
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 def _partial_meta(req: AddRequest, completion: int, lps: list[Any], tops: list[Any], tok: ServerTokenizer,

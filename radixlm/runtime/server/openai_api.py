@@ -15,7 +15,7 @@ from aiohttp import web
 
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.context import CONTEXT, ServerContext
-from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs
+from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs, next_event
 from radixlm.runtime.server.errors import ApiError, error_body
 from radixlm.runtime.server.fields import (
     check_keys,
@@ -304,7 +304,7 @@ async def _stream(request: web.Request, ctx: ServerContext, plan: Plan, events: 
                 if out.finished:
                     choice["matched_stop"] = _matched_stop(out.meta)
                 await send_event(resp, chunk([choice]))
-            ev = await _next(it)
+            ev = await next_event(it)
         else:
             if plan.include_usage:
                 final = chunk([])
@@ -318,13 +318,6 @@ async def _stream(request: web.Request, ctx: ServerContext, plan: Plan, events: 
         with contextlib.suppress(ClientGone):
             await send_event(resp, error_body(500, f"internal server error: {type(e).__name__}: {e}"))
     return resp
-
-
-async def _next(it: Any) -> Event | None:
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 def _chat_logprobs(entries: Any, tops: Any, k: int, tok: ServerTokenizer) -> list[dict[str, Any]]:
