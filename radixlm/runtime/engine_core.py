@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ class EngineCore:
 
         self.config = config
         mc = config.model
-        self.source = source or resolve_model(mc.model, _path(mc.cache_dir))
+        self.source = source or resolve_model(mc.model, Path(mc.cache_dir))
         arch = self.source.arch
         self.device = torch.device(mc.device)
         dtype = getattr(torch, mc.dtype)
@@ -321,9 +322,3 @@ def _finish_reason(reason: str | None, matched: str | int | None) -> dict[str, A
     if reason == "stop":
         return {"type": "stop", "matched": matched}
     return {"type": reason}
-
-
-def _path(p: str):
-    from pathlib import Path
-
-    return Path(p)
