@@ -1,0 +1,52 @@
+"""Token bitmasks as torch tensors: the only torch code of the constrained package.
+
+A bitmask row has ``bitmask_width(vocab_size)`` int32 words; bit ``t % 32`` of word ``t // 32``
+is set when token ``t`` is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from radixlm.runtime.constrained.grammar import bitmask_width
+
+__all__ = ["allocate_bitmask", "apply_bitmask_", "allowed_tokens"]
+
+
+def allocate_bitmask(n_rows: int, vocab_size: int) -> torch.Tensor:
+    """An (n_rows, words) int32 CPU tensor with every token allowed."""
+    return torch.full((n_rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_bitmask_(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None
+) -> None:
+    """Set disallowed logits to -inf in place.
+
+    ``bitmask[i]`` applies to logits row ``rows[i]`` (default: row i); other rows are untouched.
+    """
+    vocab_size = logits.shape[-1]
+    assert bitmask.shape[-1] == bitmask_width(vocab_size), (bitmask.shape, vocab_size)
+    if rows is None:
+        rows = list(range(bitmask.shape[0]))
+    assert len(rows) == bitmask.shape[0]
+    if not rows:
+        return
+    allowed = _unpack(bitmask.to(logits.device), vocab_size)
+    idx = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
+    logits.index_copy_(0, idx, sub)
+
+
+def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> list[int]:
+    """The token ids a bitmask row allows (for tests and debugging)."""
+    allowed = _unpack(bitmask_row.reshape(1, -1), vocab_size)[0]
+    return allowed.nonzero().flatten().tolist()

@@ -1,0 +1,301 @@
+"""Grammar backends: compile a constraint once, then drive one matcher per request.
+
+The seam the scheduler sees (see docs/DESIGN.md, "Key seams"):
+``backend.compile(kind, spec) -> Grammar`` (cached by (kind, spec)); ``Grammar.new_matcher()``
+gives a matcher with ``fill_mask(bitmask_row)``, ``accept(token)``, ``rollback(n)``,
+``forced_text()`` and ``is_terminated()``. Matchers hold plain ints; the bitmask row they fill is
+any int32 CPU array (torch or numpy) of ``bitmask_width(vocab_size)`` words, bit ``t % 32`` of
+word ``t // 32`` set when token ``t`` is allowed. The grammar engine is imported lazily, so
+importing this module pulls in no torch (xgrammar itself imports torch when first used).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Hashable, Protocol
+
+from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
+
+__all__ = [
+    "GRAMMAR_BACKENDS",
+    "GRAMMAR_KINDS",
+    "Grammar",
+    "GrammarBackend",
+    "GrammarConfig",
+    "GrammarMatcher",
+    "XGrammarBackend",
+    "bitmask_width",
+    "choices_to_ebnf",
+    "normalize_spec",
+]
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choices")
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Number of int32 words in one token-bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """How constraints compile. Compact JSON separators by default so that forced runs
+    (``{"name":"``, ``","age":``) are as long as possible for jump-forward."""
+
+    json_separators: tuple[str, str] = (",", ":")
+    json_any_whitespace: bool = False
+    # Strict: no properties/items beyond those the schema names (what generation wants).
+    json_strict: bool = True
+    json_any_order: bool = False
+    cache_size: int = 1024
+    compile_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.json_separators) != 2:
+            raise ValueError("json_separators must be (item_separator, key_separator)")
+        if self.cache_size < 1:
+            raise ValueError("cache_size must be >= 1")
+        if self.compile_threads < 1:
+            raise ValueError("compile_threads must be >= 1")
+
+
+class GrammarMatcher(Protocol):
+    """Per-request grammar state."""
+
+    def fill_mask(self, bitmask_row: Any) -> bool: ...
+    def accept(self, token: int) -> bool: ...
+    def rollback(self, n: int) -> None: ...
+    def forced_text(self) -> str: ...
+    def is_terminated(self) -> bool: ...
+
+
+class Grammar(Protocol):
+    """A compiled constraint, shared by all requests that use the same (kind, spec)."""
+
+    kind: str
+    vocab_size: int
+
+    def new_matcher(self) -> GrammarMatcher: ...
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, kind: str, spec: Any) -> Grammar: ...
+
+
+def _json_dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _ebnf_literal(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch == '"':
+            out.append('\\"')
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def choices_to_ebnf(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar that accepts exactly one of ``choices``."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def normalize_spec(kind: str, spec: Any) -> tuple[Hashable, Any]:
+    """Validate a user constraint; return (cache key, normalized spec).
+
+    json_schema → its compact JSON text (property order kept: it is the generation order);
+    regex / ebnf → the string; choices → a tuple of distinct strings in the given order.
+    """
+    if kind not in GRAMMAR_KINDS:
+        raise ValueError(f"unknown constraint kind {kind!r}; expected one of {GRAMMAR_KINDS}")
+    if kind == "json_schema":
+        if isinstance(spec, type) and hasattr(spec, "model_json_schema"):
+            schema = spec.model_json_schema()
+        elif isinstance(spec, str):
+            try:
+                schema = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        elif isinstance(spec, dict):
+            schema = spec
+        else:
+            raise ValueError(
+                "json_schema must be a dict, a JSON string or a Pydantic model class, "
+                f"got {type(spec).__name__}"
+            )
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        try:
+            text = _json_dumps(schema)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"json_schema is not JSON-serializable: {e}") from None
+        return (kind, text), text
+    if kind in ("regex", "ebnf"):
+        if not isinstance(spec, str):
+            raise ValueError(f"{kind} must be a string, got {type(spec).__name__}")
+        if not spec:
+            raise ValueError(f"{kind} must not be empty")
+        return (kind, spec), spec
+    # choices
+    if isinstance(spec, (str, bytes)) or not hasattr(spec, "__iter__"):
+        raise ValueError(f"choices must be a list of strings, got {type(spec).__name__}")
+    items = list(spec)
+    if not items:
+        raise ValueError("choices must not be empty")
+    for c in items:
+        if not isinstance(c, str):
+            raise ValueError(f"choices must be strings, got {type(c).__name__}: {c!r}")
+    norm = tuple(dict.fromkeys(items))
+    return (kind, norm), norm
+
+
+_XGR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
+_XGR_CHECK = re.compile(r"^Check failed: \(.*?\) is false:\s*")
+
+
+def _clean_engine_error(err: BaseException) -> str:
+    msg = str(err).strip()
+    msg = _XGR_PREFIX.sub("", msg)
+    msg = _XGR_CHECK.sub("", msg)
+    return msg.strip() or type(err).__name__
+
+
+class XGrammarMatcher:
+    """One request's xgrammar matcher state."""
+
+    __slots__ = ("_m", "vocab_size")
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._m = matcher
+        self.vocab_size = vocab_size
+
+    def fill_mask(self, bitmask_row: Any) -> bool:
+        """Write the allowed next tokens into ``bitmask_row`` (1-D int32, CPU).
+
+        Returns False when every token is allowed (the row need not be applied)."""
+        return bool(self._m.fill_next_token_bitmask(bitmask_row.reshape(1, -1)))
+
+    def accept(self, token: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar forbids it."""
+        return bool(self._m.accept_token(int(token)))
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens."""
+        if n < 0:
+            raise ValueError(f"rollback count must be >= 0, got {n}")
+        if n:
+            self._m.rollback(n)
+
+    def forced_text(self) -> str:
+        """The text the grammar forces next ('' when the next character is a choice)."""
+        return self._m.find_jump_forward_string()
+
+    def is_completed(self) -> bool:
+        """True once the text so far is a complete match (a stop token may follow)."""
+        return bool(self._m.is_completed())
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted at a point where the grammar may end."""
+        return bool(self._m.is_terminated())
+
+
+class XGrammarGrammar:
+    __slots__ = ("kind", "vocab_size", "_compiled", "_xgr")
+
+    def __init__(self, kind: str, compiled: Any, vocab_size: int, xgr: Any) -> None:
+        self.kind = kind
+        self.vocab_size = vocab_size
+        self._compiled = compiled
+        self._xgr = xgr
+
+    def new_matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self._xgr.GrammarMatcher(self._compiled), self.vocab_size)
+
+
+class XGrammarBackend:
+    """Compiles constraints with xgrammar against a :class:`TokenizerVocab`. Thread-safe."""
+
+    name = "xgrammar"
+
+    def __init__(self, vocab: TokenizerVocab, config: GrammarConfig | None = None) -> None:
+        import xgrammar as xgr  # lazy: pulls in torch
+
+        self._xgr = xgr
+        self.vocab = vocab
+        self.config = config or GrammarConfig()
+        info = xgr.TokenizerInfo(
+            list(vocab.decoded),
+            xgr.VocabType.RAW,
+            vocab_size=vocab.vocab_size,
+            stop_token_ids=list(vocab.stop_ids),
+            add_prefix_space=False,
+        )
+        self.tokenizer_info = info
+        self._compiler = xgr.GrammarCompiler(
+            info, max_threads=self.config.compile_threads, cache_enabled=False
+        )
+        self._cache: OrderedDict[Hashable, XGrammarGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.vocab_size
+
+    def compile(self, kind: str, spec: Any) -> XGrammarGrammar:
+        """Compile (or fetch from the cache) the grammar for ``(kind, spec)``.
+
+        Raises ValueError naming what is wrong or unsupported."""
+        key, norm = normalize_spec(kind, spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile_uncached(kind, norm)
+        grammar = XGrammarGrammar(kind, compiled, self.vocab_size, self._xgr)
+        with self._lock:
+            grammar = self._cache.setdefault(key, grammar)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile_uncached(self, kind: str, norm: Any) -> Any:
+        c = self._compiler
+        cfg = self.config
+        try:
+            if kind == "json_schema":
+                return c.compile_json_schema(
+                    norm,
+                    any_whitespace=cfg.json_any_whitespace,
+                    separators=cfg.json_separators,
+                    strict_mode=cfg.json_strict,
+                    any_order=cfg.json_any_order,
+                )
+            if kind == "regex":
+                return c.compile_regex(norm)
+            if kind == "ebnf":
+                return c.compile_grammar(norm)
+            return c.compile_grammar(choices_to_ebnf(norm))
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"cannot compile {kind}: {_clean_engine_error(e)}") from None
+
+
+GRAMMAR_BACKENDS: dict[str, type] = {"xgrammar": XGrammarBackend}
