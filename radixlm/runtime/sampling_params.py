@@ -17,6 +17,9 @@ MAX_STOP_STRINGS = 32
 # Temperatures below this decode greedily: dividing logits by a tinier value risks overflow,
 # and the distribution is a point mass in fp32 anyway (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+)
 
 
 def _is_int(x: Any) -> bool:
@@ -96,14 +99,7 @@ class SamplingParams:
                 self, "json_schema", json.dumps(self.json_schema, separators=(",", ":"))
             )
         # Accept ints for float fields, but store floats so equality/hash are uniform.
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-        ):
+        for name in _FLOAT_FIELDS:
             v = getattr(self, name)
             if _is_int(v):
                 object.__setattr__(self, name, float(v))
@@ -114,14 +110,7 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_int(v):
                 raise ValueError(f"{name} must be an int, got {v!r}")
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-        ):
+        for name in _FLOAT_FIELDS:
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")

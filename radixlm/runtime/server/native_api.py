@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -16,11 +15,11 @@ from aiohttp import web
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.context import CONTEXT
 from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs, next_event
-from radixlm.runtime.server.errors import ApiError, error_body
+from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import check_keys, get_bool, get_int, get_str, is_token_list
 from radixlm.runtime.server.messages import AddRequest
 from radixlm.runtime.server.payload import finite_logprob, json_response, read_json_object
-from radixlm.runtime.server.sse import ClientGone, open_stream, send_done, send_event
+from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
 
 log = logging.getLogger("radixlm.server")
@@ -179,8 +178,7 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
     first: Event = await it.__anext__()
     if first.error is not None:
         raise first.error  # nothing sent yet: a plain HTTP error
-    resp = await open_stream(request)
-    try:
+    async with event_stream(request) as resp:
         ev: Event | None = first
         while ev is not None:
             if ev.error is not None:
@@ -202,13 +200,6 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
                     chunk["index"] = i
                 await send_event(resp, chunk)
             ev = await next_event(it)
-        await send_done(resp)
-    except ClientGone:
-        pass  # leaving the dispatcher's context aborts what is still running
-    except Exception as e:  # noqa: BLE001 - headers are sent: the error can only go in the stream
-        log.exception("stream failed")
-        with contextlib.suppress(ClientGone):
-            await send_event(resp, error_body(500, f"internal server error: {type(e).__name__}: {e}"))
     return resp
 
 

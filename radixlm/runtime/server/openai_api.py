@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -16,7 +15,7 @@ from aiohttp import web
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.context import CONTEXT, ServerContext
 from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs, next_event
-from radixlm.runtime.server.errors import ApiError, error_body
+from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import (
     check_keys,
     get_bool,
@@ -29,7 +28,7 @@ from radixlm.runtime.server.fields import (
     is_token_list,
 )
 from radixlm.runtime.server.payload import finite_logprob, json_response, read_json_object
-from radixlm.runtime.server.sse import ClientGone, open_stream, send_done, send_event
+from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
 
 log = logging.getLogger("radixlm.server")
@@ -260,8 +259,7 @@ async def _stream(request: web.Request, ctx: ServerContext, plan: Plan, events: 
             c["usage"] = None
         return c
 
-    resp = await open_stream(request)
-    try:
+    async with event_stream(request) as resp:
         if chat:
             for i in range(count):
                 await send_event(resp, chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -310,13 +308,6 @@ async def _stream(request: web.Request, ctx: ServerContext, plan: Plan, events: 
                 final = chunk([])
                 final["usage"] = _usage(plan, metas)
                 await send_event(resp, final)
-        await send_done(resp)
-    except ClientGone:
-        pass  # leaving the dispatcher's context aborts what is still running
-    except Exception as e:  # noqa: BLE001 - headers are sent: the error can only go in the stream
-        log.exception("stream failed")
-        with contextlib.suppress(ClientGone):
-            await send_event(resp, error_body(500, f"internal server error: {type(e).__name__}: {e}"))
     return resp
 
 
