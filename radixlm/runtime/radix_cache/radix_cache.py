@@ -134,23 +134,29 @@ class RadixCache(PrefixCache):
         node = self._root
         if n == 0:
             return MatchResult([], node)
-        now = self._tick()
         out: list[int] = []
+        node, _ = self._descend(tokens, n, self._tick(), out)
+        return MatchResult(out, node)
+
+    def _descend(self, tokens: list[int], n: int, now: int, slots_out: list[int] | None) -> tuple[_Node, int]:
+        """Walk down the longest cached prefix of tokens[:n], splitting the last node so it
+        ends exactly there and marking the path used; return that node and the prefix length
+        (and collect the path's slots into ``slots_out`` when given)."""
+        node = self._root
         i = 0
         while i < n:
             child = node.children.get(self._child_key(tokens, i))
             if child is None:
                 break
-            m = self._common_len(child.key, tokens, i)
-            if m > n - i:  # only possible when tokens end inside the segment
-                m = n - i
+            m = min(self._common_len(child.key, tokens, i), n - i)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = now
-            out.extend(child.slots)
+            if slots_out is not None:
+                slots_out.extend(child.slots)
             node = child
             i += m
-        return MatchResult(out, node)
+        return node, i
 
     def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
         """Cache ``tokens`` with their KV ``slots``; return ``n``, the tokens already cached.
@@ -173,20 +179,7 @@ class RadixCache(PrefixCache):
         if n == 0:
             return 0
         now = self._tick()
-        node = self._root
-        i = 0
-        while i < n:
-            child = node.children.get(self._child_key(tokens, i))
-            if child is None:
-                break
-            m = self._common_len(child.key, tokens, i)
-            if m > n - i:
-                m = n - i
-            if m < len(child.key):
-                child = self._split(child, m)
-            child.last_access = now
-            node = child
-            i += m
+        node, i = self._descend(tokens, n, now, None)
         if i < n:
             leaf = self._new_node(tokens[i:n], list(slots[i:n]), node)
             leaf.last_access = now

@@ -6,7 +6,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,8 @@ IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifie
 UNSUPPORTED_FIELDS = ("suffix", "logit_bias", "tools", "functions", "function_call", "audio", "prediction",
                       "web_search_options", "modalities")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 # Our option names -> the engine's, for error messages that name what the client sent.
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
@@ -55,9 +57,22 @@ def routes() -> list[web.RouteDef]:
     return [
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", get_model),
-        web.post("/v1/completions", completions),
-        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", _endpoint(plan_completion)),
+        web.post("/v1/chat/completions", _endpoint(plan_chat)),
     ]
+
+
+def _endpoint(planner: Callable[[dict[str, Any], ServerTokenizer, int], Plan]) -> Handler:
+    """The handler of a generation route: read the body, plan the requests, run them."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        ctx = request.app[CONTEXT]
+        arrival = time.perf_counter()
+        body = await read_json_object(request, ctx.settings.max_request_bytes)
+        tok, _ = ctx.require_ready()
+        return await _run(request, ctx, planner(body, tok, ctx.settings.max_top_logprobs), arrival, tok)
+
+    return handle
 
 
 # -- models ------------------------------------------------------------------------------
@@ -347,15 +362,6 @@ def _completion_logprobs(entries: Any, tops: Any, k: int, tok: ServerTokenizer, 
 
 
 # -- /v1/completions ---------------------------------------------------------------------
-async def completions(request: web.Request) -> web.StreamResponse:
-    ctx = request.app[CONTEXT]
-    arrival = time.perf_counter()
-    body = await read_json_object(request, ctx.settings.max_request_bytes)
-    tok, _ = ctx.require_ready()
-    plan = plan_completion(body, tok, ctx.settings.max_top_logprobs)
-    return await _run(request, ctx, plan, arrival, tok)
-
-
 def plan_completion(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> Plan:
     check_keys(body, COMPLETION_FIELDS, IGNORED_FIELDS, UNSUPPORTED_FIELDS)
     n, stream, include_usage = _common(body)
@@ -424,15 +430,6 @@ def _constraint_field(body: Mapping[str, Any]) -> str | None:
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    ctx = request.app[CONTEXT]
-    arrival = time.perf_counter()
-    body = await read_json_object(request, ctx.settings.max_request_bytes)
-    tok, _ = ctx.require_ready()
-    plan = plan_chat(body, tok, ctx.settings.max_top_logprobs)
-    return await _run(request, ctx, plan, arrival, tok)
-
-
 def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> Plan:
     check_keys(body, CHAT_FIELDS, IGNORED_FIELDS, UNSUPPORTED_FIELDS)
     n, stream, include_usage = _common(body)
