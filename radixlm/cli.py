@@ -8,10 +8,10 @@ import json
 import sys
 import time
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from radixlm.runtime.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from radixlm.runtime.config import COMPONENT_TYPES, DTYPES, JSON_WHITESPACE
 
 HELP = {
     "model": "built-in name, HF model folder, .gguf file, or dummy:<config>",
@@ -23,18 +23,20 @@ HELP = {
 
 
 def _choices() -> dict[str, Sequence[str]]:
+    from radixlm.runtime.constrained import GRAMMAR_BACKENDS
     from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS
     from radixlm.runtime.radix_cache import CACHES
     from radixlm.runtime.scheduler import POLICIES
 
     return {"dtype": DTYPES, "cache": sorted(CACHES), "policy": sorted(POLICIES),
-            "attention_backend": sorted(ATTENTION_BACKENDS)}
+            "attention_backend": sorted(ATTENTION_BACKENDS), "grammar_backend": sorted(GRAMMAR_BACKENDS),
+            "json_whitespace": JSON_WHITESPACE}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per config field (--max-total-tokens ...), defaults from the dataclasses."""
     choices = _choices()
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+    for cls in COMPONENT_TYPES:
         group = parser.add_argument_group(cls.__name__)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -44,16 +46,28 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                 "--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
                 choices=choices.get(f.name), help=HELP.get(f.name, f"default: {default}"),
             )
-    parser.add_argument("--attention-backend", default="torch", choices=choices["attention_backend"])
+    parser.add_argument("--attention-backend", default=None, choices=choices["attention_backend"],
+                        help="default: triton on CUDA, torch elsewhere")
 
 
-def _scalar(hint: Any) -> type:
+def _scalar(hint: Any) -> Callable[[str], Any]:
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if args[0] is bool:
+        return _parse_bool
     return args[0] if args[0] in (int, float, str) else str
 
 
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def engine_options(ns: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for cls in (ModelConfig, CacheConfig, SchedulerConfig) for f in dataclasses.fields(cls)}
+    names = {f.name for cls in COMPONENT_TYPES for f in dataclasses.fields(cls)}
     opts = {k: v for k, v in vars(ns).items() if k in names and v is not None}
     opts["attention_backend"] = ns.attention_backend
     return opts

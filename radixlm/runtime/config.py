@@ -26,6 +26,7 @@ class ModelConfig:
     cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
     context_length: int | None = None  # default: the model's, capped at 8192
     seed: int = 0  # for dummy weights
+    tokenizer_path: str | None = None  # a tokenizer folder to use instead of the model's own
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -39,14 +40,30 @@ class CacheConfig:
     cache: str = "radix"  # a name in radixlm.runtime.radix_cache.CACHES
     page_size: int = 1
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
-    mem_fraction: float = 0.15  # of free device memory (of RAM on CPU) for the KV pool
+    # KV pool share of free memory: of RAM on CPU; on CUDA, of the GPU memory left after the
+    # weights and a reserve for activations and CUDA graphs. None: 0.15 on CPU, 0.85 on CUDA.
+    mem_fraction: float | None = None
+    # Sessions' KV stays locked between turns up to this many tokens (least recently used
+    # sessions are unpinned past it); None: half the KV pool; 0 turns pinning off.
+    max_pinned_tokens: int | None = None
+    session_ttl: float = 600.0  # seconds an idle session stays open (open_session may set its own)
+
+    def fraction_for(self, device_type: str) -> float:
+        """mem_fraction, or the device's default."""
+        if self.mem_fraction is not None:
+            return self.mem_fraction
+        return 0.85 if device_type == "cuda" else 0.15
 
     def __post_init__(self) -> None:
+        if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
+            raise ValueError(f"max_pinned_tokens must be >= 0 (0 = no pinning), got {self.max_pinned_tokens}")
+        if not self.session_ttl > 0:
+            raise ValueError(f"session_ttl must be > 0 seconds, got {self.session_ttl}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
-        if not 0 < self.mem_fraction < 1:
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
 
 
@@ -74,17 +91,62 @@ class SchedulerConfig:
             raise ValueError(f"chunked_prefill_size must be >= 0 (0 = off), got {self.chunked_prefill_size}")
 
 
+JSON_WHITESPACE = ("compact", "spaced", "any")
+
+
+@dataclass(frozen=True)
+class ConstraintConfig:
+    """Constrained decoding: which grammar engine, and how JSON output is laid out.
+
+    ``compact`` JSON (``{"a":1,"b":2}``) makes the text the schema forces (``","b":``) as long
+    as possible, so jump-forward skips the most; ``spaced`` uses ``", "`` / ``": "``; ``any``
+    lets the model choose its whitespace (the grammar then forces little)."""
+
+    grammar_backend: str = "xgrammar"  # a name in radixlm.runtime.constrained.GRAMMAR_BACKENDS
+    jump_forward: bool = True  # requests may still turn it off with sampling_params.jump_forward
+    json_whitespace: str = "compact"
+    grammar_compile_workers: int = 2
+    grammar_cache_size: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.json_whitespace not in JSON_WHITESPACE:
+            raise ValueError(f"json_whitespace must be one of {JSON_WHITESPACE}, got {self.json_whitespace!r}")
+        for name in ("grammar_compile_workers", "grammar_cache_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """Decode steps replayed as CUDA graphs (CUDA with the triton attention backend only)."""
+
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # largest captured decode batch; None: max_running_requests
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: str = "torch"
+    constraint: ConstraintConfig = field(default_factory=ConstraintConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+
+    @property
+    def attention_backend_name(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.model.device.startswith("cuda") else "torch"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments, each naming a field of one component."""
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _COMPONENTS}
         top: dict[str, Any] = {}
         owners = {f.name: part for part, typ in _COMPONENTS.items() for f in dataclasses.fields(typ)}
         for key, value in kwargs.items():
@@ -98,4 +160,6 @@ class EngineConfig:
         return cls(**{p: _COMPONENTS[p](**v) for p, v in parts.items()}, **top)
 
 
-_COMPONENTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_COMPONENTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+               "constraint": ConstraintConfig, "cuda_graph": CudaGraphConfig}
+COMPONENT_TYPES = tuple(_COMPONENTS.values())

@@ -9,6 +9,7 @@ the server runs the core in its own process anyway.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any, Union
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore, RequestOutput
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.sessions import Session, SessionParams
 
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
 ParamsLike = Union[SamplingParams, Mapping[str, Any], None]
@@ -33,6 +35,7 @@ class _Submit:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    session: SessionParams | None = None
 
 
 class Engine:
@@ -63,14 +66,16 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        session_params: SessionParams | Mapping[str, Any] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Complete one prompt (text, token ids or chat messages) or a list of them.
 
         Returns {"text", "output_ids", "meta_info"} per completion; a list when the input
-        is a list or n > 1 (n completions per prompt, in order).
+        is a list or n > 1 (n completions per prompt, in order). With ``session_params`` the
+        prompt is a new turn of an open session (see ``open_session``; one prompt, n = 1).
         """
         subs, single = self._prepare(prompt, input_ids, sampling_params, return_logprob,
-                                     logprob_start_len, top_logprobs_num)
+                                     logprob_start_len, top_logprobs_num, session_params)
         boxes = self._submit(subs)
         self._drive(lambda: all(b.finished for b in boxes))
         outs = [b.result() for b in boxes]
@@ -126,10 +131,30 @@ class Engine:
                 self._deliver(out)
 
     def flush_cache(self) -> None:
-        """Wait until idle, then drop every cached prefix."""
+        """Wait until idle, then drop every cached prefix (open sessions stay open, unpinned)."""
         self._drive(lambda: not self.core.has_work)
         with self._lock:
-            self.core.cache.reset()
+            self.core.flush_cache()
+
+    # -- sessions (docs/sessions.md) ----------------------------------------------------------
+    def open_session(self, capacity: int | None = None, ttl: float | None = None,
+                     session_id: str | None = None) -> str:
+        """Open a multi-turn session whose KV stays pinned between turns; returns its id.
+
+        ``capacity``: most tokens (history + output) the session may hold; ``ttl``: seconds it
+        may stay idle (default: the ``session_ttl`` option)."""
+        with self._lock:
+            return self.core.sessions.open(session_id, capacity, ttl)
+
+    def close_session(self, session_id: str) -> None:
+        """Close a session and unpin its KV; SessionNotFoundError if it is not open."""
+        with self._lock:
+            self.core.sessions.close(session_id)
+
+    def session(self, capacity: int | None = None, ttl: float | None = None,
+                session_id: str | None = None) -> Session:
+        """Open a session and return a handle whose generate() continues it turn by turn."""
+        return Session(self, self.open_session(capacity, ttl, session_id))
 
     def shutdown(self) -> None:
         """Abort whatever is still in flight."""
@@ -157,7 +182,8 @@ class Engine:
         raise ValueError("a prompt must be a string, a list of token ids, or a list of chat messages")
 
     def _prepare(self, prompt, input_ids, sampling_params, return_logprob: bool = False,
-                 logprob_start_len: int = -1, top_logprobs_num: int = 0) -> tuple[list[_Submit], bool]:
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 session_params: SessionParams | Mapping[str, Any] | None = None) -> tuple[list[_Submit], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if input_ids is not None:
@@ -182,6 +208,13 @@ class Engine:
                     copy = SamplingParams.from_dict({**params.to_dict(), "n": 1, "seed": seed})
                 rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
                 subs.append(_Submit(rid, ids, copy, return_logprob, logprob_start_len, top_logprobs_num))
+        session = None
+        if session_params is not None:
+            if len(subs) != 1:
+                raise ValueError("a session turn is one prompt with n=1; send the others as separate turns")
+            session = session_params if isinstance(session_params, SessionParams) else \
+                SessionParams.from_dict(session_params)
+            subs[0] = dataclasses.replace(subs[0], session=session)
         return subs, single and len(subs) == 1
 
     def _submit_one(self, prompt, input_ids, sampling_params, kwargs: dict[str, Any]) -> _Box:
@@ -200,7 +233,7 @@ class Engine:
                 boxes.append(box)
                 try:
                     self.core.add_request(s.rid, s.prompt_ids, s.params, s.return_logprob,
-                                          s.logprob_start_len, s.top_logprobs_num)
+                                          s.logprob_start_len, s.top_logprobs_num, s.session)
                 except ValueError:
                     for b in boxes[:-1]:
                         self.abort(b.rid)
@@ -251,6 +284,10 @@ class Engine:
         box = self._boxes.get(out.rid)
         if box is None:
             return
+        if out.error is not None:  # e.g. its constraint did not compile
+            box.fail(ValueError(out.error))
+            del self._boxes[out.rid]
+            return
         box.pending.append(out)
         box.parts.append(out)
         if out.finished:
@@ -288,13 +325,14 @@ def _params(sp: ParamsLike) -> SamplingParams:
 
 
 def _collect(parts: list[RequestOutput]) -> dict[str, Any]:
-    return {
-        "text": "".join(p.text_delta for p in parts),
-        "output_ids": [t for p in parts for t in p.token_ids_delta],
-        "meta_info": parts[-1].meta,
-    }
+    ids: list[int] = []
+    for p in parts:
+        p.apply_ids(ids)
+    return {"text": "".join(p.text_delta for p in parts), "output_ids": ids, "meta_info": parts[-1].meta}
 
 
 def _chunk(out: RequestOutput) -> dict[str, Any]:
-    return {"text": out.text_delta, "output_ids": out.token_ids_delta, "finished": out.finished,
-            "meta_info": out.meta}
+    """A stream chunk: deltas; ``replace_from`` (when not None) says which earlier output ids
+    the new ones replace."""
+    return {"text": out.text_delta, "output_ids": out.token_ids_delta, "replace_from": out.replace_from,
+            "finished": out.finished, "meta_info": out.meta}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,29 +16,48 @@ from typing import Any
 import torch
 
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
+from radixlm.runtime.constrained.grammar import Grammar, GrammarMatcher
+from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample
-from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.cuda_graph import graph_buckets
+from radixlm.runtime.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model.source import ModelSource, resolve_model
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.radix_cache import CACHES, SlotAllocator
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Request, Scheduled, Scheduler
+from radixlm.runtime.sessions import SessionManager, SessionParams, prepended_bos
 from radixlm.runtime.stop import StopMatcher
 
 DEFAULT_CONTEXT_CAP = 8192
+COMPILE_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long one step waits
 
 
 @dataclass
 class RequestOutput:
-    """What one request gained in a step (deltas), plus its totals once finished."""
+    """What one request gained in a step (deltas), plus its totals once finished.
+
+    ``replace_from``: jump-forward re-tokenized output tokens already reported; drop the output
+    ids from this index on before appending ``token_ids_delta`` (text is only ever appended).
+    ``error``: the request failed before it ran (its constraint did not compile); it is finished.
+    """
 
     rid: str
     text_delta: str
     token_ids_delta: list[int]
     finished: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    replace_from: int | None = None
+    error: str | None = None
+
+    def apply_ids(self, ids: list[int]) -> None:
+        """Bring a list of this request's output ids up to date with this output."""
+        if self.replace_from is not None:
+            del ids[self.replace_from :]
+        ids.extend(self.token_ids_delta)
 
 
 @dataclass(eq=False)
@@ -59,6 +79,11 @@ class _Track:
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     sent_tokens: int = 0
+    replace_from: int | None = None
+    matcher: GrammarMatcher | None = None
+    jump_forward: bool = False
+    forced_tokens: int = 0  # output tokens that jump-forward appended
+    forward_passes: int = 0
 
 
 def _available_memory(device: torch.device) -> int:
@@ -73,7 +98,7 @@ class EngineCore:
 
         self.config = config
         mc = config.model
-        self.source = source or resolve_model(mc.model, Path(mc.cache_dir))
+        self.source = source or resolve_model(mc.model, Path(mc.cache_dir), mc.tokenizer_path)
         arch = self.source.arch
         self.device = torch.device(mc.device)
         dtype = getattr(torch, mc.dtype)
@@ -83,23 +108,42 @@ class EngineCore:
         cc = config.cache
         if cc.cache not in CACHES:
             raise ValueError(f"unknown cache {cc.cache!r}; choose one of {sorted(CACHES)}")
-        num_slots = cc.max_total_tokens or max(
-            int(_available_memory(self.device) * cc.mem_fraction) // KVPool.bytes_per_token(arch, dtype), 256
-        )
         sc = config.scheduler
+        num_slots = cc.max_total_tokens or self._pool_slots(dtype)
+        gc = config.cuda_graph
+        max_graph_bs = min(gc.cuda_graph_max_bs or sc.max_running_requests, sc.max_running_requests)
         self.runner = ModelRunner(
-            self.model, num_slots, sc.max_running_requests, self.context_length, config.attention_backend
+            self.model, num_slots, sc.max_running_requests, self.context_length, config.attention_backend_name,
+            () if gc.disable_cuda_graph else graph_buckets(max_graph_bs),
         )
         self.allocator = SlotAllocator(num_slots)
         self.cache = CACHES[cc.cache](self.allocator, cc.page_size)
         self.scheduler = Scheduler(sc, self.cache, self.allocator, self.context_length)
+        pin_cap = cc.max_pinned_tokens if cc.max_pinned_tokens is not None else num_slots // 2
+        self.sessions = SessionManager(self.cache, pin_cap, cc.session_ttl, strip_bos=prepended_bos(self.tokenizer))
         self.eos_ids = frozenset(arch.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         self.tracks: dict[str, _Track] = {}
+        self._grammars: GrammarService | None = None
+        self._compiling: dict[str, Future[Grammar]] = {}
+        self._failed: list[RequestOutput] = []
+        self.grammar_seconds = 0.0  # masks, accepts and jumps, for the per-token grammar cost
+        self.grammar_tokens = 0
         self.steps = 0
         self.prompt_tokens_total = 0  # of finished requests, for the cache hit rate
         self.cached_tokens_total = 0
+
+    def _pool_slots(self, dtype: torch.dtype) -> int:
+        """KV pool tokens from free memory; on CUDA, what the weights and a reserve for
+        activations and CUDA graphs leave."""
+        arch, cc, sc = self.source.arch, self.config.cache, self.config.scheduler
+        reserve = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            tokens = max(sc.max_prefill_tokens, sc.chunked_prefill_size or self.context_length)
+            reserve = activation_reserve(arch, dtype, tokens + sc.max_running_requests, sc.max_running_requests)
+        return pool_slots(arch, dtype, _available_memory(self.device), cc.fraction_for(self.device.type), reserve)
 
     def info(self) -> dict[str, Any]:
         """What the server reports about the model (get_model_info / get_server_info)."""
@@ -136,20 +180,30 @@ class EngineCore:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        session: SessionParams | None = None,
     ) -> None:
+        """Queue a request; with ``session``, ``prompt_ids`` are the new turn's tokens, appended
+        to the history of the turn it continues (radixlm.runtime.sessions)."""
         if rid in self.tracks:
             raise ValueError(f"request id {rid!r} is already in use")
+        plan = None
+        if session is not None:
+            plan = self.sessions.plan_turn(session, rid, list(prompt_ids), params.max_new_tokens)
+            prompt_ids, params = plan.prompt_ids, plan.cap(params)
         vocab = self.source.arch.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"request {rid}: token id {bad} is outside the vocabulary [0, {vocab})")
         if top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
-        if params.regex or params.json_schema or params.ebnf:
-            raise ValueError("constrained decoding (regex / json_schema / ebnf) is not available yet")
         start = logprob_start_len if return_logprob else -1
         req = Request(rid, list(prompt_ids), params, logprob_start_len=start)
-        self.scheduler.add(req)
+        self.scheduler.validate(req)
+        constraint = params.constraint
+        if constraint is not None:
+            self._compiling[rid] = self.grammars.submit(*constraint)
+        else:
+            self.scheduler.add(req)
         tail = prompt_ids[-4:]
         self.tracks[rid] = _Track(
             req=req,
@@ -161,24 +215,67 @@ class EngineCore:
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+            jump_forward=params.jump_forward and self.config.constraint.jump_forward,
         )
+        if plan is not None:
+            self.sessions.start_turn(plan, session.replace)
+
+    @property
+    def grammars(self) -> GrammarService:
+        """The grammar service, built on the first constrained request."""
+        if self._grammars is None:
+            self._grammars = GrammarService(
+                self.tokenizer, self.source.arch.vocab_size, sorted(self.eos_ids), self.config.constraint
+            )
+        return self._grammars
 
     def abort(self, rid: str) -> RequestOutput | None:
         track = self.tracks.get(rid)
         if track is None:
             return None
-        self.scheduler.finish(track.req, "abort")
+        future = self._compiling.pop(rid, None)
+        if future is not None:
+            future.cancel()
+            track.req.finish_reason = "abort"
+        else:
+            self.scheduler.finish(track.req, "abort")
         return self._finish_output(track)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._compiling) or bool(self._failed)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the scheduler; a failed compile fails its request."""
+        if self._compiling and not self.scheduler.has_work:
+            wait(self._compiling.values(), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+        for rid, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            track = self.tracks[rid]
+            try:
+                track.matcher = future.result().new_matcher()
+            except ValueError as e:
+                track.req.finish_reason = "abort"
+                out = self._finish_output(track)
+                out.error = str(e)
+                self._failed.append(out)
+                continue
+            self.scheduler.add(track.req)
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._compiling:
+            self._admit_compiled()
+        failed, self._failed = self._failed, []
+        self.sessions.expire()
         scheduled = self.scheduler.schedule()
+        # pinned sessions must never starve live requests: unpin them, oldest first, until work fits
+        while not scheduled and self.scheduler.has_work and self.sessions.unpin_lru():
+            scheduled = self.scheduler.schedule()
         if not scheduled:
-            return self._drain_finished_without_step()
+            return failed + self._drain_finished_without_step()
         self.steps += 1
         logits = self.runner.forward([s.seq for s in scheduled])
         sample_rows: list[int] = []
@@ -187,6 +284,7 @@ class EngineCore:
         for s in scheduled:
             k = s.seq.num_logits
             track = self.tracks[s.req.rid]
+            track.forward_passes += 1
             if track.return_logprob and s.req.wants_input_logprobs:
                 self._input_logprobs(track, s, logits[off : off + k - (1 if s.samples else 0)])
             if s.samples:
@@ -198,7 +296,7 @@ class EngineCore:
             outputs = self._sample_and_append(logits[sample_rows], samplers)
         self.scheduler.end_step(scheduled)
         outputs += self._drain_finished_without_step(skip={o.rid for o in outputs})
-        return outputs
+        return failed + outputs
 
     def _input_logprobs(self, track: _Track, s: Scheduled, rows: torch.Tensor) -> None:
         req = track.req
@@ -214,12 +312,13 @@ class EngineCore:
     def _sample_and_append(self, logits: torch.Tensor, samplers: list[Scheduled]) -> list[RequestOutput]:
         tracks = [self.tracks[s.req.rid] for s in samplers]
         params = [t.req.params for t in tracks]
-        blocks = [
+        blocks = [  # a grammar, not min_new_tokens, decides where constrained output may end
             sorted(t.eos_ids | set(t.req.params.stop_token_ids))
-            if len(t.req.output_ids) < t.req.params.min_new_tokens
+            if len(t.req.output_ids) < t.req.params.min_new_tokens and t.matcher is None
             else []
             for t in tracks
         ]
+        self._apply_grammar_masks(logits, tracks)
         batch = SamplingBatch.build(
             params,
             [t.req.output_ids for t in tracks],
@@ -235,6 +334,10 @@ class EngineCore:
         for i, (track, tok) in enumerate(zip(tracks, out.token_ids)):
             req = track.req
             req.output_ids.append(tok)
+            if track.matcher is not None and not self._grammar_accept(track.matcher, tok):
+                self.scheduler.finish(req, "abort")
+                results.append(self._finish_output(track))
+                continue
             track.first_token_at = track.first_token_at or now
             if track.return_logprob:
                 track.output_logprobs.append((out.logprobs[i], tok))
@@ -252,6 +355,11 @@ class EngineCore:
             reason, track.matched_stop = "stop", tok
         if reason is None or p.no_stop_trim:  # a matched stop token stays out of the text
             delta, matched = track.stop.feed(track.detok.push([tok]))
+            if reason is None and matched is None and track.matcher is not None:
+                forced, matched, done = self._grammar_advance(track)
+                delta += forced
+                if done:
+                    reason, track.matched_stop = "stop", self.grammars.vocab.stop_ids[0]
         if matched is not None:
             reason, track.matched_stop = "stop", matched
         elif reason is None and (len(req.output_ids) >= p.max_new_tokens or req.fill_len >= self.context_length):
@@ -278,12 +386,84 @@ class EngineCore:
     def _output(self, track: _Track, delta: str) -> RequestOutput:
         ids = track.req.output_ids[track.sent_tokens :]
         track.sent_tokens = len(track.req.output_ids)
-        return RequestOutput(track.req.rid, delta, ids)
+        out = RequestOutput(track.req.rid, delta, ids, replace_from=track.replace_from)
+        track.replace_from = None
+        return out
+
+    # -- constrained decoding ------------------------------------------------------------
+    def _apply_grammar_masks(self, logits: torch.Tensor, tracks: list[_Track]) -> None:
+        """Each constrained row gets its grammar's bitmask; other rows stay untouched."""
+        rows = [i for i, t in enumerate(tracks) if t.matcher is not None]
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        bitmask = allocate_bitmask(len(rows), logits.shape[-1])
+        masked = [j for j, i in enumerate(rows) if tracks[i].matcher.fill_mask(bitmask[j])]
+        if masked:
+            apply_bitmask_(logits, bitmask[masked], [rows[j] for j in masked])
+        self.grammar_seconds += time.perf_counter() - t0
+
+    def _grammar_accept(self, matcher: GrammarMatcher, tok: int) -> bool:
+        t0 = time.perf_counter()
+        ok = matcher.accept(tok)
+        self.grammar_seconds += time.perf_counter() - t0
+        self.grammar_tokens += 1
+        return ok
+
+    def _grammar_advance(self, track: _Track) -> tuple[str, str | None, bool]:
+        """After a sampled token: jump over forced text. Returns (text added, stop string
+        matched in it, whether the grammar is complete and allows nothing but a stop token)."""
+        t0 = time.perf_counter()
+        req, matcher = track.req, track.matcher
+        assert matcher is not None
+        text, matched = "", None
+        if track.jump_forward:
+            limit = min(req.params.max_new_tokens, self.context_length - len(req.prompt_ids))
+            floor = max(req.tree_len - len(req.prompt_ids), 0)
+            jump = self.grammars.jump_forward.jump(matcher, req.output_ids, floor, limit)
+            if jump is not None:
+                text, matched = self._apply_jump(track, jump.keep, list(jump.new_ids), jump.text)
+        done = matched is None and matcher.is_completed() and self._only_stop_allowed(matcher)
+        self.grammar_seconds += time.perf_counter() - t0
+        return text, matched, done
+
+    def _apply_jump(self, track: _Track, keep: int, new_ids: list[int], text: str) -> tuple[str, str | None]:
+        req = track.req
+        del req.output_ids[keep:]
+        req.output_ids.extend(new_ids)
+        self.scheduler.rewind(req, len(req.prompt_ids) + keep)
+        track.forced_tokens += len(new_ids)
+        if track.return_logprob:  # forced tokens have probability 1 under the constraint
+            del track.output_logprobs[keep:]
+            track.output_logprobs.extend((0.0, t) for t in new_ids)
+            if track.top_logprobs_num:
+                del track.output_top_logprobs[keep:]
+                track.output_top_logprobs.extend([(0.0, t)] for t in new_ids)
+        if keep < track.sent_tokens:
+            track.sent_tokens = keep
+            track.replace_from = keep if track.replace_from is None else min(track.replace_from, keep)
+        p = req.params
+        track.detok = IncrementalDetokenizer(
+            self.tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens, req.fill_ids[-4:]
+        )
+        return track.stop.feed(text)
+
+    def _only_stop_allowed(self, matcher: GrammarMatcher) -> bool:
+        row = allocate_bitmask(1, self.source.arch.vocab_size)[0]
+        if not matcher.fill_mask(row):
+            return False
+        for t in self.grammars.vocab.stop_ids:
+            bit = 1 << (t % 32)
+            row[t // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)  # int32 words
+        return not bool(row.any())
 
     def _finish_output(self, track: _Track, delta: str = "") -> RequestOutput:
         out = self._output(track, delta)
         out.finished = True
         out.meta = self._meta(track)
+        req = track.req
+        out.meta.update(self.sessions.finish_turn(req.rid, req.output_ids, req.finish_reason != "abort",
+                                                  req.cached_tokens))
         del self.tracks[track.req.rid]
         return out
 
@@ -301,7 +481,10 @@ class EngineCore:
             "e2e_latency": now - track.created,
             "ttft": (track.first_token_at - track.created) if track.first_token_at else None,
             "retractions": req.retractions,
+            "forward_passes": track.forward_passes,
         }
+        if track.matcher is not None:
+            meta["forced_tokens"] = track.forced_tokens
         if track.return_logprob:
             meta["input_token_logprobs"] = track.input_logprobs
             meta["output_token_logprobs"] = track.output_logprobs
@@ -314,8 +497,14 @@ class EngineCore:
         """With no request in flight: nothing locked, every slot free or held by the cache."""
         assert not self.scheduler.has_work and not self.tracks
         self.cache.check_integrity()
-        assert self.cache.protected_size() == 0
+        self.sessions.check_integrity()
+        assert self.cache.protected_size() <= self.sessions.pinned_tokens  # only session pins remain
         assert self.allocator.num_free + self.cache.total_size() == self.allocator.num_slots
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix; sessions stay open, unpinned (their next turns recompute)."""
+        self.sessions.unpin_all()
+        self.cache.reset()
 
 
 def _finish_reason(reason: str | None, matched: str | int | None) -> dict[str, Any]:

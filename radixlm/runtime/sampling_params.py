@@ -17,6 +17,7 @@ MAX_STOP_STRINGS = 32
 # Temperatures below this decode greedily: dividing logits by a tinier value risks overflow,
 # and the distribution is a point mass in fp32 anyway (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
 )
@@ -37,7 +38,8 @@ class SamplingParams:
     ``top_k == -1`` means off. ``temperature == 0`` (below ``GREEDY_TEMPERATURE_EPS``) or
     ``top_k == 1`` means greedy.
     ``stop`` / ``stop_token_ids`` accept a str / list and are stored as tuples;
-    ``json_schema`` accepts a dict and is stored as a compact JSON string.
+    ``json_schema`` accepts a dict or a Pydantic model class and is stored as compact JSON text;
+    ``choices`` (a list of strings: the output is exactly one of them) is stored as a tuple.
     """
 
     max_new_tokens: int = 128
@@ -60,6 +62,7 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    choices: tuple[str, ...] | None = None
     jump_forward: bool = True
 
     def __post_init__(self) -> None:
@@ -94,10 +97,13 @@ class SamplingParams:
             )
         object.__setattr__(self, "stop_token_ids", ids)
 
-        if isinstance(self.json_schema, Mapping):
-            object.__setattr__(
-                self, "json_schema", json.dumps(self.json_schema, separators=(",", ":"))
-            )
+        schema = self.json_schema
+        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a Pydantic model
+            schema = schema.model_json_schema()
+        if isinstance(schema, (Mapping, bool)):
+            object.__setattr__(self, "json_schema", json.dumps(schema, separators=(",", ":")))
+        if isinstance(self.choices, (list, tuple)):
+            object.__setattr__(self, "choices", tuple(self.choices))
         # Accept ints for float fields, but store floats so equality/hash are uniform.
         for name in _FLOAT_FIELDS:
             v = getattr(self, name)
@@ -172,16 +178,19 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or null, got {self.seed!r}")
 
         given = []
-        for name in ("regex", "json_schema", "ebnf"):
+        for name in CONSTRAINT_FIELDS:
             v = getattr(self, name)
             if v is None:
                 continue
-            if not isinstance(v, str):
+            if name == "choices":
+                if not v or not all(isinstance(c, str) for c in v):
+                    raise ValueError(f"choices must be a non-empty list of strings, got {v!r}")
+            elif not isinstance(v, str):
                 raise ValueError(f"{name} must be a string, got {type(v).__name__}")
             given.append(name)
         if len(given) > 1:
             raise ValueError(
-                f"at most one of regex, json_schema, ebnf may be set, got {', '.join(given)}"
+                f"at most one of {', '.join(CONSTRAINT_FIELDS)} may be set, got {', '.join(given)}"
             )
 
     # -- conversions ---------------------------------------------------------------------
@@ -219,7 +228,18 @@ class SamplingParams:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.choices is not None:
+            out["choices"] = list(self.choices)
         return out
+
+    @property
+    def constraint(self) -> tuple[str, str | tuple[str, ...]] | None:
+        """(kind, spec) of the output constraint, or None when the output is free text."""
+        for name in CONSTRAINT_FIELDS:
+            v = getattr(self, name)
+            if v is not None:
+                return name, v
+        return None
 
     @property
     def is_greedy(self) -> bool:

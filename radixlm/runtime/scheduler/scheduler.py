@@ -57,6 +57,14 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self.validate(req)
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def validate(self, req: Request) -> None:
+        """Raise ValueError when req can never run here (empty, or longer than context or pool)."""
         if not req.prompt_ids:
             raise ValueError(f"request {req.rid}: the prompt is empty; give at least one token")
         if len(req.prompt_ids) >= self.max_context:
@@ -69,10 +77,6 @@ class Scheduler:
                 f"request {req.rid}: prompt of {len(req.prompt_ids)} tokens needs more KV slots than the pool "
                 f"holds ({self.allocator.num_slots}); raise max_total_tokens or shorten the prompt"
             )
-        req.arrival = self._arrivals
-        self._arrivals += 1
-        req.status = Status.WAITING
-        self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
         """End a request (done, stopped or aborted) and release everything it holds."""
@@ -85,6 +89,15 @@ class Scheduler:
             self.running.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+    def rewind(self, req: Request, length: int) -> None:
+        """Drop the KV of positions >= length (their tokens were replaced, e.g. by jump-forward).
+
+        Only positions past the cached prefix may go: the cache owns the ones before tree_len."""
+        assert length >= req.tree_len, (req.rid, length, req.tree_len)
+        if length < len(req.slots):
+            self.allocator.free(req.slots[length:])
+            del req.slots[length:]
 
     def abort(self, rid: str) -> Request | None:
         for req in self.waiting + self.running:

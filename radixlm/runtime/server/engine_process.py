@@ -26,6 +26,7 @@ from radixlm.runtime.server.messages import (
     Shutdown,
     StepOutputs,
 )
+from radixlm.runtime.sessions import SessionError, SessionNotFoundError
 
 PARENT_CHECK_MS = 1000  # while idle, how often the engine checks that the server process still exists
 
@@ -45,6 +46,7 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "steps": core.steps,
         "prompt_tokens_total": core.prompt_tokens_total,
         "cached_tokens_total": core.cached_tokens_total,
+        **core.sessions.stats_dict(),
     }
 
 
@@ -70,6 +72,7 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> Non
         if os.getppid() != parent:  # the server died without a Shutdown (SIGKILL): don't linger as an orphan
             return
         timeout = 0 if core.has_work else PARENT_CHECK_MS
+        core.sessions.expire()  # also while idle, so expired sessions stop pinning KV
         while poller.poll(timeout):
             msg = inbox.recv_pyobj()
             if isinstance(msg, Shutdown):
@@ -90,6 +93,10 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> Non
                     core.abort(rid)
                     outbox.send_pyobj(RequestFailed(rid, message, bad_input=False))
                 continue
+            for out in outputs:
+                if out.error is not None:  # failed before it ran: its constraint did not compile
+                    outbox.send_pyobj(RequestFailed(out.rid, out.error, bad_input=True))
+            outputs = [o for o in outputs if o.error is None]
             if outputs:
                 _attach_logprob_deltas(core, outputs)
                 outbox.send_pyobj(StepOutputs(outputs))
@@ -99,9 +106,10 @@ def _handle(core: EngineCore, msg: Any, outbox: zmq.Socket) -> None:
     if isinstance(msg, AddRequest):
         try:
             core.add_request(msg.rid, msg.prompt_ids, SamplingParams.from_dict(msg.params), msg.return_logprob,
-                             msg.logprob_start_len, msg.top_logprobs_num)
+                             msg.logprob_start_len, msg.top_logprobs_num, msg.session)
         except ValueError as e:
-            outbox.send_pyobj(RequestFailed(msg.rid, str(e), bad_input=True))
+            outbox.send_pyobj(RequestFailed(msg.rid, str(e), bad_input=True,
+                                            not_found=isinstance(e, SessionNotFoundError)))
     elif isinstance(msg, AbortRequest):
         out = core.abort(msg.rid)
         if out is not None:
@@ -110,10 +118,23 @@ def _handle(core: EngineCore, msg: Any, outbox: zmq.Socket) -> None:
         if msg.kind == "flush_cache":
             ok = not core.has_work
             if ok:
-                core.cache.reset()
+                core.flush_cache()
             outbox.send_pyobj(Reply(msg.token, {"flushed": ok}))
+        elif msg.kind in ("open_session", "close_session"):
+            outbox.send_pyobj(Reply(msg.token, _session_query(core, msg.kind, msg.args)))
         else:
             outbox.send_pyobj(Reply(msg.token, engine_stats(core)))
+
+
+def _session_query(core: EngineCore, kind: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Open or close a session; an error comes back as {"error", "status"} (404: not open)."""
+    try:
+        if kind == "open_session":
+            return {"session_id": core.sessions.open(args.get("session_id"), args.get("capacity"), args.get("ttl"))}
+        core.sessions.close(args["session_id"])
+        return {"session_id": args["session_id"]}
+    except SessionError as e:
+        return {"error": str(e), "status": 404 if isinstance(e, SessionNotFoundError) else 400}
 
 
 def _attach_logprob_deltas(core: EngineCore, outputs: list[Any]) -> None:

@@ -13,21 +13,22 @@ from typing import Any
 from aiohttp import web
 
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.server.context import CONTEXT
+from radixlm.runtime.server.context import CONTEXT, ServerContext
 from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs, next_event
 from radixlm.runtime.server.errors import ApiError
-from radixlm.runtime.server.fields import check_keys, get_bool, get_int, get_str, is_token_list
+from radixlm.runtime.server.fields import check_keys, get_bool, get_float, get_int, get_str, is_token_list
 from radixlm.runtime.server.messages import AddRequest
 from radixlm.runtime.server.payload import finite_logprob, json_response, read_json_object
 from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
+from radixlm.runtime.sessions import SessionError, SessionParams
 
 log = logging.getLogger("radixlm.server")
 
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream")
+                   "top_logprobs_num", "return_text_in_logprobs", "stream", "session_params")
 # SGLang fields for features this server lacks: accepted only when empty, so its clients work unchanged.
-GENERATE_UNSUPPORTED = ("image_data", "audio_data", "video_data", "input_embeds", "lora_path", "session_params",
+GENERATE_UNSUPPORTED = ("image_data", "audio_data", "video_data", "input_embeds", "lora_path",
                         "custom_logit_processor", "return_hidden_states", "token_ids_logprob", "modalities")
 GENERATE_IGNORED = ("log_metrics",)
 HEALTH_GENERATE_TIMEOUT = 30.0
@@ -51,6 +52,8 @@ def routes() -> list[web.RouteDef]:
         web.post("/flush_cache", flush_cache),
         web.get("/flush_cache", flush_cache),
         web.post("/abort_request", abort_request),
+        web.post("/open_session", open_session),
+        web.post("/close_session", close_session),
     ]
 
 
@@ -97,6 +100,12 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> 
             logprob_start_len=get_int({"logprob_start_len": start[i]}, "logprob_start_len", -1, lo=-1),
             top_logprobs_num=get_int({"top_logprobs_num": top[i]}, "top_logprobs_num", 0, lo=0, hi=max_top),
         ))
+    session = _session_params(body)
+    if session is not None:
+        if b != 1 or specs[0].params.n != 1:
+            raise ApiError(400, "a session turn is one prompt with n = 1; send the others as separate turns",
+                           param="session_params")
+        specs[0] = dataclasses.replace(specs[0], session=session)
     jobs = expand_jobs(specs)
     return GenerateSpec(
         jobs=jobs,
@@ -126,6 +135,17 @@ def _prompts(body: dict[str, Any], tok: ServerTokenizer) -> tuple[list[list[int]
             tok.check_prompt(x, f"input_ids[{i}]")
         return [list(x) for x in ids], False
     raise ApiError(400, "input_ids must be a list of integer token ids, or a list of such lists", param="input_ids")
+
+
+def _session_params(body: dict[str, Any]) -> SessionParams | None:
+    """SGLang's session_params {id, rid, offset, replace, drop_previous_output}; null or {}: none."""
+    v = body.get("session_params")
+    if v is None or v == {}:
+        return None
+    try:
+        return SessionParams.from_dict(v)
+    except SessionError as e:
+        raise ApiError(400, str(e), param="session_params") from None
 
 
 def _per_prompt(body: dict[str, Any], key: str, b: int) -> list[Any]:
@@ -158,7 +178,7 @@ async def _collect(spec: GenerateSpec, events: Any, tok: ServerTokenizer) -> web
             raise ev.error
         out = ev.output
         texts[ev.index] += out.text_delta
-        ids[ev.index].extend(out.token_ids_delta)
+        out.apply_ids(ids[ev.index])
         if out.finished:
             metas[ev.index] = out.meta
     results = [
@@ -186,7 +206,9 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
                 break
             i, out = ev.index, ev.output
             texts[i] += out.text_delta
-            ids[i].extend(out.token_ids_delta)
+            out.apply_ids(ids[i])
+            if out.replace_from is not None:  # jump-forward re-tokenized a tail: its logprobs go too
+                del lps[i][out.replace_from :], tops[i][out.replace_from :]
             if out.finished:
                 meta = native_meta(out.meta, tok, spec.text_in_logprobs)
             else:
@@ -328,6 +350,44 @@ async def abort_request(request: web.Request) -> web.Response:
     dispatcher = ctx.dispatcher
     count = await dispatcher.abort(None if abort_all else rid) if dispatcher is not None else 0
     return json_response({"aborted": count})
+
+
+# -- sessions (docs/sessions.md) ----------------------------------------------------------
+async def open_session(request: web.Request) -> web.Response:
+    """Open a session; answers its id as a JSON string (as SGLang). ``capacity`` is in tokens
+    (SGLang's ``capacity_of_str_len`` is read as the same cap); ``ttl`` in seconds."""
+    ctx = request.app[CONTEXT]
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    check_keys(body, ("session_id", "capacity", "capacity_of_str_len", "ttl"))
+    if body.get("capacity") is not None and body.get("capacity_of_str_len") is not None:
+        raise ApiError(400, "give capacity or capacity_of_str_len, not both", param="capacity")
+    key = "capacity" if body.get("capacity") is not None else "capacity_of_str_len"
+    args = {"session_id": get_str(body, "session_id"), "capacity": get_int(body, key, None, lo=1),
+            "ttl": get_float(body, "ttl")}
+    if args["ttl"] is not None and not args["ttl"] > 0:
+        raise ApiError(400, f"ttl must be > 0 seconds, got {args['ttl']}", param="ttl")
+    reply = await _session_query(ctx, "open_session", args, "session_id")
+    return json_response(reply["session_id"])
+
+
+async def close_session(request: web.Request) -> web.Response:
+    """Close a session and unpin its KV; 404 if it is not open."""
+    ctx = request.app[CONTEXT]
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    check_keys(body, ("session_id",))
+    sid = get_str(body, "session_id")
+    if sid is None:
+        raise ApiError(400, "session_id is required", param="session_id")
+    await _session_query(ctx, "close_session", {"session_id": sid}, "session_id")
+    return json_response({"session_id": sid, "closed": True})
+
+
+async def _session_query(ctx: ServerContext, kind: str, args: dict[str, Any], param: str) -> dict[str, Any]:
+    client = ctx.require_engine()
+    reply = await client.query(kind, args=args)
+    if "error" in reply:
+        raise ApiError(reply["status"], reply["error"], param=param)
+    return reply
 
 
 def _version() -> str:

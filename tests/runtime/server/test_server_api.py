@@ -139,8 +139,13 @@ def test_openai_errors(oai: openai.OpenAI):
         oai.chat.completions.create(model="smol", messages=CHAT, temperature=5)
     assert "temperature" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="smol", messages=CHAT, response_format={"type": "json_object"})
-    assert "not available yet" in str(e.value) and e.value.body["param"] == "response_format"
+        oai.chat.completions.create(model="smol", messages=CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "2"}}})
+    assert "cannot compile json_schema" in str(e.value) and e.value.body["param"] == "response_format"
+    r = oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0,
+                                    response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
     # text is the default format and fine
     r = oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=2, response_format={"type": "text"})
     assert r.usage.completion_tokens <= 2
@@ -200,6 +205,34 @@ def test_generate_stream(server: Server):
     assert texts[-1] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+
+
+def test_generate_constrained_native_and_openai(server: Server, oai: openai.OpenAI):
+    phone = server.generate({"text": "Call me at ", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 20, "regex": r"\d{3}-\d{4}"}})
+    assert len(phone["text"]) == 8 and phone["text"][3] == "-" and phone["text"].replace("-", "").isdigit()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+              "required": ["city", "population"]}
+    body = {"text": "A city as JSON:", "sampling_params": {"temperature": 0, "max_new_tokens": 48,
+                                                            "json_schema": json.dumps(schema)}}
+    whole = server.generate(body)
+    obj = json.loads(whole["text"])
+    assert set(obj) == {"city", "population"} and whole["meta_info"]["forced_tokens"] > 0
+
+    async def stream() -> list:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.url + "/generate", json={**body, "stream": True}) as resp:
+                assert resp.status == 200
+                return await read_sse(resp)
+
+    chunks = asyncio.run(stream())[:-1]
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    chat = oai.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Name a city as JSON."}], temperature=0,
+        max_tokens=48, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    assert set(json.loads(chat.choices[0].message.content)) == {"city", "population"}
+    assert chat.choices[0].finish_reason == "stop"
 
 
 def test_generate_logprobs(server: Server, smol_tokenizer):
@@ -347,7 +380,9 @@ BAD_INPUTS = [
     ("/generate", {"text": "a", "sampling_params": {"temperature": -0.5}}, 400, "temperature must be >= 0",
      "sampling_params"),
     ("/generate", {"text": "a", "sampling_params": {"top_p": 0}}, 400, "top_p must be in (0, 1]", "sampling_params"),
-    ("/generate", {"text": "a", "sampling_params": {"regex": "a+"}}, 400, "not available yet", "sampling_params"),
+    ("/generate", {"text": "a", "sampling_params": {"regex": "a("}}, 400, "cannot compile regex", "sampling_params"),
+    ("/generate", {"text": "a", "sampling_params": {"json_schema": "{x"}}, 400, "json_schema is not valid JSON",
+     "sampling_params"),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, 400, "1 entries for 2 prompts", "sampling_params"),
     ("/generate", {"text": "a", "return_logprob": "yes"}, 400, "return_logprob must be true or false",
      "return_logprob"),
@@ -372,7 +407,9 @@ BAD_INPUTS = [
      "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "foo": 1}, 400, "unknown field 'foo'", "foo"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, 400, "not available yet", "response_format"),
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, 400,
+     "cannot compile json_schema", "response_format"),
+    ("/v1/completions", {"prompt": "a", "regex": "[z-a]"}, 400, "cannot compile regex", "regex"),
     ("/v1/completions", {"model": "smol"}, 400, "prompt is required", "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt is empty", "prompt"),
     ("/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of must equal n", "best_of"),

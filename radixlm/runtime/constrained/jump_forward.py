@@ -1,0 +1,119 @@
+"""Jump-forward: append the text a grammar forces as tokens, without a decode step per token.
+
+After each sampled token the matcher may report a forced string (``{"name":"`` once ``{`` is
+out, ``","age":`` after a string value). Appending its tokens one decode step at a time wastes
+forward passes; instead they join the request in one extend step. The tokens must be the ones
+the tokenizer would produce for the whole text, or the model sees token sequences it never saw
+in training (``"`` + ``,`` instead of ``",``), so a window of the output tail is re-tokenized
+together with the forced string:
+
+- the window never reaches into the prompt nor into tokens whose KV the prefix cache holds
+  (``floor``), starts on a UTF-8 character boundary and after any special token;
+- tokens the re-tokenization changes are rolled back in the matcher (and, by the caller, in
+  the KV); the new ones are accepted, and if the grammar refuses any, nothing changes;
+- the last new token is held back when a longer vocabulary token starts with its bytes: the
+  model may want that longer token (``":"`` + ``Bob``), and the next decode step, masked by the
+  grammar, picks it.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from radixlm.runtime.constrained.grammar import GrammarMatcher
+from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
+
+__all__ = ["Jump", "JumpForward"]
+
+DEFAULT_WINDOW = 8  # output tokens before the forced text that may be re-tokenized
+
+
+@dataclass(frozen=True)
+class Jump:
+    """Output tokens ``[0, keep)`` stay; ``new_ids`` replace the rest; ``text`` is what they add."""
+
+    keep: int
+    new_ids: tuple[int, ...]
+    text: str
+
+
+def _strict_prefixes(decoded: Sequence[bytes]) -> frozenset[bytes]:
+    """Every byte string that is a proper prefix of some token's bytes."""
+    out: set[bytes] = set()
+    for b in decoded:
+        for k in range(1, len(b)):
+            out.add(b[:k])
+    return frozenset(out)
+
+
+def _is_continuation(b: bytes) -> bool:
+    return bool(b) and b[0] & 0xC0 == 0x80
+
+
+class JumpForward:
+    """Plans and applies jumps for one tokenizer; ``encode`` is text -> token ids (no specials)."""
+
+    def __init__(self, vocab: TokenizerVocab, encode: Callable[[str], list[int]],
+                 window: int = DEFAULT_WINDOW) -> None:
+        self.vocab = vocab
+        self.encode = encode
+        self.window = window
+        self._extendable = _strict_prefixes(vocab.decoded)
+
+    def _window_start(self, output_ids: Sequence[int], floor: int) -> int:
+        dec = self.vocab.decoded
+        start = max(floor, len(output_ids) - self.window)
+        for i in range(len(output_ids) - 1, start - 1, -1):
+            if not dec[output_ids[i]]:  # a special token: its text cannot be re-tokenized
+                start = i + 1
+                break
+        while start < len(output_ids) and _is_continuation(dec[output_ids[start]]):
+            start += 1
+        return start
+
+    def jump(self, matcher: GrammarMatcher, output_ids: Sequence[int], floor: int, limit: int) -> Jump | None:
+        """Advance ``matcher`` over the forced text and return the token change, or None (no change).
+
+        ``output_ids`` are all output tokens, every one accepted by ``matcher``; tokens before
+        ``floor`` must not change; the output may grow to at most ``limit`` tokens."""
+        forced = matcher.forced_text()
+        if not forced:
+            return None
+        dec = self.vocab.decoded
+        start = self._window_start(output_ids, floor)
+        old = list(output_ids[start:])
+        old_bytes = b"".join(dec[t] for t in old)
+        try:
+            old_text = old_bytes.decode("utf-8")
+        except UnicodeDecodeError:  # the output ends inside a character
+            return None
+        new = self.encode(old_text + forced)
+        pieces = [dec[t] for t in new]
+        if b"".join(pieces) != (old_text + forced).encode("utf-8"):
+            return None  # the tokenizer normalized the text: its tokens would not spell it
+        n = len(new)
+        if n and pieces[-1] in self._extendable:
+            n -= 1
+        n = min(n, limit - start)
+        kept_bytes = b"".join(pieces[:n])
+        if len(kept_bytes) <= len(old_bytes):
+            return None
+        try:
+            text = kept_bytes.decode("utf-8")[len(old_text):]
+        except UnicodeDecodeError:  # the held-back token split a character
+            return None
+        common = 0
+        while common < min(len(old), n) and old[common] == new[common]:
+            common += 1
+        matcher.rollback(len(old) - common)
+        for i, t in enumerate(new[common:n]):
+            if not matcher.accept(t):
+                matcher.rollback(i)
+                for t_old in old[common:]:
+                    ok = matcher.accept(t_old)
+                    assert ok, "re-accepting the tokens the matcher accepted before failed"
+                return None
+        return Jump(start + common, tuple(new[common:n]), text)
