@@ -302,9 +302,10 @@ class EngineCore:
         req = track.req
         if not track.input_logprobs and req.logprob_start_len == 0:
             track.input_logprobs.append((None, req.prompt_ids[0]))
-        if rows.shape[0] == 0:
-            return
         targets = req.prompt_ids[s.first_logit_pos + 1 : s.first_logit_pos + 1 + rows.shape[0]]
+        if not targets:  # e.g. a one-token prompt scored with max_new_tokens=0: no next prompt token
+            return
+        rows = rows[: len(targets)]
         lp = torch.log_softmax(rows.float(), dim=-1)
         picked = lp[torch.arange(len(targets)), torch.tensor(targets)].tolist()
         track.input_logprobs.extend(zip(picked, targets))

@@ -30,3 +30,20 @@ class KVPool:
         """Store k, v ([T, kv_heads, head_dim]) at `slots` ([T]) of `layer`."""
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
+
+
+def activation_reserve(arch: ModelArch, dtype: torch.dtype, max_tokens: int, max_logit_rows: int) -> int:
+    """Bytes a GPU keeps free beside the KV pool: a forward of `max_tokens` tokens (hidden
+    states, q/k/v, the MLP's intermediates), fp32 logits and their sampling copies for
+    `max_logit_rows` rows, and CUDA graphs; with 50% slack plus 512 MiB for library workspaces."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    per_token = (4 * arch.hidden_size + 2 * (arch.q_size + 2 * arch.kv_size) + 4 * arch.intermediate_size) * elt
+    logits = 3 * max_logit_rows * arch.vocab_size * 4
+    return int(1.5 * (max_tokens * per_token + logits)) + (512 << 20)
+
+
+def pool_slots(arch: ModelArch, dtype: torch.dtype, free_bytes: int, fraction: float, reserve_bytes: int) -> int:
+    """KV pool size in tokens: `fraction` of the free memory left after the reserve (>= 256)."""
+    usable = max(free_bytes - reserve_bytes, 0)
+    return max(int(usable * fraction) // KVPool.bytes_per_token(arch, dtype), 256)
+

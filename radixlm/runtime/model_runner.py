@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import torch
 
 from radixlm.runtime.batch import SeqStep
+from radixlm.runtime.cuda_graph import DecodeGraphs
 from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS, AttentionMeta
 from radixlm.runtime.kv_pool import KVPool
 from radixlm.runtime.model.llama import LlamaModel
@@ -20,20 +24,33 @@ class ModelRunner:
         max_requests: int,
         max_context: int,
         attention_backend: str = "torch",
+        graph_buckets: Sequence[int] = (),
     ) -> None:
+        """`graph_buckets`: decode batch sizes to capture as CUDA graphs (CUDA and a backend with
+        `bind_decode` only; empty: always eager)."""
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
         self.model = model
         self.arch = model.arch
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        if attention_backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton attention backend needs a CUDA device; use --attention-backend torch")
         self.pool = KVPool(self.arch, num_slots, self.dtype, self.device)
         self.max_context = max_context
-        self.req_to_token = torch.zeros((max_requests, max_context), dtype=torch.int64, device=self.device)
+        # one row per running request, plus a scratch row for the padding rows of graph batches
+        self.req_to_token = torch.zeros((max_requests + 1, max_context), dtype=torch.int64, device=self.device)
         self.attention = ATTENTION_BACKENDS[attention_backend](self.pool, self.arch.num_heads, self.arch.head_dim)
+        self.graphs: DecodeGraphs | None = None
+        if graph_buckets and self.device.type == "cuda" and hasattr(self.attention, "bind_decode"):
+            self.graphs = DecodeGraphs(model, self.attention, self.req_to_token, max_requests, graph_buckets)
 
     def forward(self, seqs: list[SeqStep]) -> torch.Tensor:
         """Run one step; return fp32 logits [sum(seq.num_logits), vocab] in sequence order."""
+        if self.graphs is not None and self._graph_decodable(seqs):
+            return self.graphs.run([s.token_ids[0] for s in seqs], [s.cached_len for s in seqs],
+                                   [s.slots[0] for s in seqs], [s.row for s in seqs],
+                                   [s.cached_len + 1 for s in seqs])
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -68,4 +85,12 @@ class ModelRunner:
             pos_t,
             self.attention,
             torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+        )
+
+    def _graph_decodable(self, seqs: list[SeqStep]) -> bool:
+        """One new token and its logits per sequence, no prefix to write, within a bucket."""
+        assert self.graphs is not None
+        return len(seqs) <= self.graphs.max_bs and all(
+            len(s.token_ids) == 1 and s.logit_start == 0 and s.prefix_slots is None
+            and s.cached_len < self.max_context for s in seqs
         )

@@ -127,6 +127,7 @@ class _Turn:
 class _Pin:
     node: object
     tokens: int
+    rid: str  # the turn whose path it holds
 
 
 @dataclass(eq=False)
@@ -321,6 +322,11 @@ class SessionManager:
             if turn.parent is not None:
                 sess.turns[turn.parent].children.remove(rid)
             self._touch(sess)
+            if sess.pin is not None and sess.pin.rid not in sess.turns:  # a replace dropped the pinned turn
+                if sess.head is not None:
+                    self._pin(sess, sess.head)
+                else:
+                    self._unpin(sess)
             return {"session_id": sid, "session_history_tokens": history}
         turn.tokens.extend(output_ids)
         turn.finished = True
@@ -329,7 +335,7 @@ class SessionManager:
         self.stats.turn_history_tokens += history
         self.stats.turn_cached_tokens += cached_tokens
         self._touch(sess)
-        self._pin(sess, turn.tokens)
+        self._pin(sess, rid)
         return {"session_id": sid, "session_history_tokens": history}
 
     def turn_tokens(self, session_id: str, rid: str) -> list[int]:
@@ -341,12 +347,13 @@ class SessionManager:
         return list(turn.tokens)
 
     # -- pins --------------------------------------------------------------------------------
-    def _pin(self, sess: _Session, tokens: list[int]) -> None:
-        match = self.cache.match_prefix(tokens)
+    def _pin(self, sess: _Session, rid: str) -> None:
+        """Move the session's pin to the cached part of turn ``rid``'s path."""
+        match = self.cache.match_prefix(sess.turns[rid].tokens)
         old = sess.pin
         if match.slots:
             self.cache.lock(match.node)  # before unlocking the old pin: the paths usually share a prefix
-            sess.pin = _Pin(match.node, len(match.slots))
+            sess.pin = _Pin(match.node, len(match.slots), rid)
             self._pinned += len(match.slots)
         else:
             sess.pin = None
@@ -429,6 +436,7 @@ class SessionManager:
         assert self._pinned <= self.max_pinned_tokens
         for sess in self._sessions.values():
             assert sess.head is None or sess.turns[sess.head].finished
+            assert sess.pin is None or sess.pin.rid == sess.head or sess.running  # moved when a turn ends
             assert sess.running == sum(1 for t in sess.turns.values() if not t.finished)
             for rid, t in sess.turns.items():
                 assert t.parent is None or rid in sess.turns[t.parent].children

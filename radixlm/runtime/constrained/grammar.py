@@ -16,13 +16,14 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Protocol
+from typing import Any, Callable, Hashable, Protocol
 
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
 __all__ = [
     "GRAMMAR_BACKENDS",
     "GRAMMAR_KINDS",
+    "CachedGrammarBackend",
     "Grammar",
     "GrammarBackend",
     "GrammarConfig",
@@ -229,7 +230,71 @@ class XGrammarGrammar:
         return XGrammarMatcher(self._xgr.GrammarMatcher(self._compiled), self.vocab_size)
 
 
-class XGrammarBackend:
+class CachedGrammarBackend:
+    """Base of the grammar backends: validates specs and keeps an LRU cache of compiled
+    grammars keyed by (kind, spec). Thread-safe; subclasses implement ``_compile_uncached``."""
+
+    name = ""
+
+    def __init__(self, vocab: TokenizerVocab, config: GrammarConfig | None = None) -> None:
+        self.vocab = vocab
+        self.config = config or GrammarConfig()
+        self._cache: OrderedDict[Hashable, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.vocab_size
+
+    def compile(self, kind: str, spec: Any) -> Grammar:
+        """Compile (or fetch from the cache) the grammar for ``(kind, spec)``.
+
+        Raises ValueError naming what is wrong or unsupported."""
+        key, norm = normalize_spec(kind, spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        # Compiled outside the lock: two threads may compile one key; the first one kept wins.
+        grammar = self._compile_uncached(kind, norm)
+        with self._lock:
+            grammar = self._cache.setdefault(key, grammar)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile_uncached(self, kind: str, norm: Any) -> Grammar:
+        raise NotImplementedError
+
+
+# Keywords a context-free grammar cannot enforce: xgrammar would compile the schema and let
+# outputs through that break them, so such schemas are refused up front.
+UNENFORCEABLE_KEYWORDS = ("not", "uniqueItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA_KEYWORDS = ("enum", "const", "default", "examples", "description", "title")
+
+
+def unenforceable_keyword(schema: Any) -> str | None:
+    """The first keyword in ``schema`` (or a subschema) that a grammar cannot enforce, if any."""
+    if isinstance(schema, list):
+        return next((k for k in map(unenforceable_keyword, schema) if k), None)
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in UNENFORCEABLE_KEYWORDS and value not in (False, None):
+            return key
+        if key in _DATA_KEYWORDS:
+            continue
+        subs = value.values() if key in _SCHEMA_MAPS and isinstance(value, dict) else [value]
+        found = next((k for k in map(unenforceable_keyword, subs) if k), None)
+        if found:
+            return found
+    return None
+
+
+class XGrammarBackend(CachedGrammarBackend):
     """Compiles constraints with xgrammar against a :class:`TokenizerVocab`. Thread-safe."""
 
     name = "xgrammar"
@@ -237,9 +302,8 @@ class XGrammarBackend:
     def __init__(self, vocab: TokenizerVocab, config: GrammarConfig | None = None) -> None:
         import xgrammar as xgr  # lazy: pulls in torch
 
+        super().__init__(vocab, config)
         self._xgr = xgr
-        self.vocab = vocab
-        self.config = config or GrammarConfig()
         info = xgr.TokenizerInfo(
             list(vocab.decoded),
             xgr.VocabType.RAW,
@@ -251,35 +315,18 @@ class XGrammarBackend:
         self._compiler = xgr.GrammarCompiler(
             info, max_threads=self.config.compile_threads, cache_enabled=False
         )
-        self._cache: OrderedDict[Hashable, XGrammarGrammar] = OrderedDict()
-        self._lock = threading.Lock()
 
-    @property
-    def vocab_size(self) -> int:
-        return self.vocab.vocab_size
+    def _compile_uncached(self, kind: str, norm: Any) -> XGrammarGrammar:
+        return XGrammarGrammar(kind, self._compile_engine(kind, norm), self.vocab_size, self._xgr)
 
-    def compile(self, kind: str, spec: Any) -> XGrammarGrammar:
-        """Compile (or fetch from the cache) the grammar for ``(kind, spec)``.
-
-        Raises ValueError naming what is wrong or unsupported."""
-        key, norm = normalize_spec(kind, spec)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        compiled = self._compile_uncached(kind, norm)
-        grammar = XGrammarGrammar(kind, compiled, self.vocab_size, self._xgr)
-        with self._lock:
-            grammar = self._cache.setdefault(key, grammar)
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.config.cache_size:
-                self._cache.popitem(last=False)
-        return grammar
-
-    def _compile_uncached(self, kind: str, norm: Any) -> Any:
+    def _compile_engine(self, kind: str, norm: Any) -> Any:
         c = self._compiler
         cfg = self.config
+        if kind == "json_schema":
+            bad = unenforceable_keyword(json.loads(norm))
+            if bad:
+                raise ValueError(f"cannot compile json_schema: the keyword {bad!r} is not supported "
+                                 "(a grammar cannot enforce it); remove it from the schema")
         try:
             if kind == "json_schema":
                 return c.compile_json_schema(
@@ -298,4 +345,14 @@ class XGrammarBackend:
             raise ValueError(f"cannot compile {kind}: {_clean_engine_error(e)}") from None
 
 
-GRAMMAR_BACKENDS: dict[str, type] = {"xgrammar": XGrammarBackend}
+def _outlines_backend(vocab: TokenizerVocab, config: GrammarConfig | None = None) -> GrammarBackend:
+    # Imported on use: outlines-core is only loaded when this backend is picked.
+    from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
+
+    return OutlinesBackend(vocab, config)
+
+
+GRAMMAR_BACKENDS: dict[str, Callable[..., GrammarBackend]] = {
+    "xgrammar": XGrammarBackend,
+    "outlines": _outlines_backend,
+}

@@ -2,6 +2,8 @@
 
 Tokens of all sequences in a step are flattened into one [T, hidden] batch; attention is the
 only part that needs to know where sequences begin and end, and the backend holds that.
+On CUDA, RMSNorm (with the residual add), RoPE and SiLU*up run as fused triton kernels
+(radixlm.runtime.kernels.fused); elsewhere as the plain PyTorch below.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from torch import nn
 
 from radixlm.runtime.kernels.attention import AttentionBackend
 from radixlm.runtime.model.arch import ModelArch
-from radixlm.runtime.model.rope import RotaryEmbedding, apply_rotary
+from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +24,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from radixlm.runtime.kernels import fused
+
+            return fused.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32, scale in the model dtype (HF's order, so bf16 results match).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); on CUDA the sum is written into `residual`."""
+        if x.is_cuda:
+            from radixlm.runtime.kernels import fused
+
+            return fused.rms_norm(x, self.weight, self.eps, residual), residual
+        summed = x + residual
+        return self.forward(summed), summed
 
 
 class Attention(nn.Module):
@@ -36,13 +51,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> torch.Tensor:
         a = self.arch
         q, k, v = self.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, a.num_heads, a.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, a.num_kv_heads, a.head_dim), cos, sin)
+        q, k = rotary.apply(q.view(-1, a.num_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim))
         v = v.view(-1, a.num_kv_heads, a.head_dim)
         return self.o_proj(backend.forward(self.layer, q, k, v))
 
@@ -54,7 +66,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from radixlm.runtime.kernels import fused
+
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -67,10 +84,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self, h: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the
+        layer's output, added by the next norm."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, rotary, backend), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,10 +126,12 @@ class LlamaModel(nn.Module):
         """Run T new tokens; return fp32 logits for the rows in `logit_rows` (all rows if None)."""
         assert self.rope is not None, "call init_rope() first"
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rope.tables(positions, h.dtype)
+        rotary = self.rope.batch(positions, h.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            h = layer(h, cos, sin, backend)
+            h, residual = layer(h, residual, rotary, backend)
+        assert residual is not None
         if logit_rows is not None:
-            h = h[logit_rows]
-        h = self.norm(h)
+            h, residual = h[logit_rows], residual[logit_rows]
+        h, _ = self.norm.add_forward(h, residual)
         return F.linear(h, self.lm_head_weight).float()

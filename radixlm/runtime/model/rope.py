@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,33 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each token, shaped [T, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+    def batch(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryBatch:
+        """What every layer of one forward needs to rotate its q and k."""
+        if positions.is_cuda:  # the fused kernel reads the fp32 tables by position
+            return RotaryBatch(positions, self.cos, self.sin, fused=True)
+        cos, sin = self.tables(positions, dtype)
+        return RotaryBatch(positions, cos, sin, fused=False)
+
+
+@dataclass(frozen=True)
+class RotaryBatch:
+    """One forward's rotary inputs: per-token cos/sin in the model dtype, or (fused, CUDA) the
+    positions and the whole fp32 tables."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    fused: bool
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated q [T, heads, d] and k [T, kv_heads, d] (in place when fused)."""
+        if self.fused:
+            from radixlm.runtime.kernels import fused
+
+            fused.rotary_(q, k, self.positions, self.cos, self.sin)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,15 @@ A model spec is one of:
 - a path to a Llama GGUF file (converted once into the cache directory),
 - `dummy:<config>` for random weights of a named shape, with the default model's tokenizer
   standing in (for benchmarks where real weights cannot be downloaded).
+A tokenizer folder given separately replaces the model's own (and, for dummy models, the
+default model's, so they run where the default model is not installed, e.g. a GPU machine).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from radixlm.runtime.model.arch import ModelArch
@@ -33,6 +35,12 @@ _LLAMA3_8B = dict(
 )
 DUMMY_CONFIGS: dict[str, dict] = {
     "llama-3-8b": _LLAMA3_8B,
+    "smollm2-135m": dict(  # the default model's architecture
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    ),
     "llama-3.2-1b": dict(
         _LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_key_value_heads=8,
         head_dim=64, max_position_embeddings=131072, tie_word_embeddings=True,
@@ -82,16 +90,27 @@ def _from_gguf(name: str, gguf_path: Path, cache_dir: Path) -> ModelSource:
     return ModelSource(name, ModelArch.from_dir(out), out, out)
 
 
-def resolve_model(spec: str, cache_dir: Path) -> ModelSource:
-    """Turn a model spec into its config, weights folder and tokenizer folder."""
+def _dummy_arch(spec: str) -> ModelArch:
+    shape = spec.removeprefix("dummy:")
+    if shape not in DUMMY_CONFIGS:
+        raise ValueError(f"unknown dummy config {shape!r}; choose one of {sorted(DUMMY_CONFIGS)}")
+    return ModelArch.from_hf_config(DUMMY_CONFIGS[shape], source=spec)
+
+
+def resolve_model(spec: str, cache_dir: Path, tokenizer: str | None = None) -> ModelSource:
+    """Turn a model spec into its config, weights folder and tokenizer folder (`tokenizer`, a
+    folder, overrides the latter)."""
+    if tokenizer is not None:
+        tokenizer_dir = Path(tokenizer).expanduser()
+        if not tokenizer_dir.is_dir():
+            raise ValueError(f"tokenizer folder {tokenizer!r} not found")
+        if spec.startswith("dummy:"):
+            return ModelSource(spec, _dummy_arch(spec), None, tokenizer_dir)
+        return replace(resolve_model(spec, cache_dir), tokenizer_dir=tokenizer_dir)
     if spec in BUILTIN_GGUF:
         return _from_gguf(spec, builtin_gguf_path(spec), cache_dir)
     if spec.startswith("dummy:"):
-        shape = spec.removeprefix("dummy:")
-        if shape not in DUMMY_CONFIGS:
-            raise ValueError(f"unknown dummy config {shape!r}; choose one of {sorted(DUMMY_CONFIGS)}")
-        arch = ModelArch.from_hf_config(DUMMY_CONFIGS[shape], source=spec)
-        return ModelSource(spec, arch, None, resolve_model(DEFAULT_MODEL, cache_dir).tokenizer_dir)
+        return ModelSource(spec, _dummy_arch(spec), None, resolve_model(DEFAULT_MODEL, cache_dir).tokenizer_dir)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path.stem, path, cache_dir)

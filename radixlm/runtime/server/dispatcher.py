@@ -19,6 +19,7 @@ from radixlm.runtime.server.engine_client import EngineClient, EngineDeadError, 
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.messages import AddRequest
 from radixlm.runtime.server.metrics import Metrics
+from radixlm.runtime.sessions import SessionParams
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class Dispatcher:
                     queue.put_nowait(Event(job.index, output=out))
         except RequestFailedError as e:
             outcome = "error"
-            status = 400 if e.bad_input else 500
+            status = 404 if e.not_found else 400 if e.bad_input else 500
             queue.put_nowait(Event(job.index, error=ApiError(status, str(e), param=None)))
         except EngineDeadError as e:
             outcome = "error"
@@ -140,6 +141,7 @@ class PromptSpec:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    session: SessionParams | None = None
 
 
 def expand_jobs(prompts: list[PromptSpec]) -> list[Job]:
@@ -157,7 +159,7 @@ def expand_jobs(prompts: list[PromptSpec]) -> list[Job]:
                 params = SamplingParams.from_dict({**params.to_dict(), "n": 1, "seed": seed})
             rid = p.user_rid if n == 1 else f"{p.user_rid}-{i}"
             req = AddRequest(rid, p.prompt_ids, params.to_dict(), p.return_logprob, p.logprob_start_len,
-                             p.top_logprobs_num)
+                             p.top_logprobs_num, p.session)
             jobs.append(Job(len(jobs), req, p.user_rid))
     return jobs
 

@@ -33,9 +33,10 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(Exception):
-    def __init__(self, message: str, bad_input: bool) -> None:
+    def __init__(self, message: str, bad_input: bool, not_found: bool = False) -> None:
         super().__init__(message)
         self.bad_input = bad_input
+        self.not_found = not_found
 
 
 class EngineClient:
@@ -118,13 +119,13 @@ class EngineClient:
         if not self.dead:
             await self._to_engine.send_pyobj(AbortRequest(rid))
 
-    async def query(self, kind: str, timeout: float = 30.0) -> dict[str, Any]:
+    async def query(self, kind: str, timeout: float = 30.0, args: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.dead:
             raise EngineDeadError(self.dead)
         token = next(self._tokens)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._replies[token] = fut
-        await self._to_engine.send_pyobj(Query(kind, token))
+        await self._to_engine.send_pyobj(Query(kind, token, args or {}))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -141,7 +142,7 @@ class EngineClient:
             elif isinstance(msg, RequestFailed):
                 q = self._queues.get(msg.rid)
                 if q is not None:
-                    q.put_nowait(RequestFailedError(msg.message, msg.bad_input))
+                    q.put_nowait(RequestFailedError(msg.message, msg.bad_input, msg.not_found))
             elif isinstance(msg, Reply):
                 fut = self._replies.get(msg.token)
                 if fut is not None and not fut.done():

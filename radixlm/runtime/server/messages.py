@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.runtime.engine_core import RequestOutput
+from radixlm.runtime.sessions import SessionParams
 
 
 # server -> engine
@@ -17,6 +18,7 @@ class AddRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    session: SessionParams | None = None  # a turn of an open session
 
 
 @dataclass(frozen=True)
@@ -26,10 +28,12 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class Query:
-    """A question with one answer (`Reply` with the same token): 'stats' or 'flush_cache'."""
+    """A question with one answer (`Reply` with the same token): 'stats', 'flush_cache',
+    'open_session' or 'close_session' (those two with their fields in `args`)."""
 
     kind: str
     token: int
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class RequestFailed:
     rid: str
     message: str
     bad_input: bool  # True: the request was invalid (HTTP 400); False: the engine failed (500)
+    not_found: bool = False  # its session is not open (HTTP 404)
 
 
 @dataclass(frozen=True)

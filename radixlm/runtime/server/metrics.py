@@ -10,6 +10,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+_HIT_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -46,6 +47,17 @@ class Metrics:
         self.retractions = Gauge("radixlm_retractions", "Requests retracted since start (decode out of KV).",
                                  registry=r)
         self.engine_up = Gauge("radixlm_engine_up", "1 while the engine process serves requests.", registry=r)
+        self.sessions_open = Gauge("radixlm_sessions_open", "Open multi-turn sessions.", registry=r)
+        self.session_pinned = Gauge("radixlm_session_pinned_tokens",
+                                    "KV tokens pinned by sessions between turns (summed per session).", registry=r)
+        self.session_turns = Counter("radixlm_session_turns", "Finished session turns.", registry=r)
+        self.session_history = Counter("radixlm_session_history_tokens",
+                                       "Prompt tokens of session turns that came from their history.", registry=r)
+        self.session_cached = Counter("radixlm_session_cached_tokens",
+                                      "Prompt tokens of session turns read from the cache.", registry=r)
+        self.session_hit = Histogram("radixlm_session_turn_hit_ratio",
+                                     "Per session turn: cached tokens / history tokens (turns with history).",
+                                     buckets=_HIT_BUCKETS, registry=r)
 
     def observe_finished(self, meta: Mapping[str, Any], e2e_seconds: float) -> None:
         self.e2e.observe(e2e_seconds)
@@ -54,6 +66,13 @@ class Metrics:
         self.cached_tokens.inc(int(meta.get("cached_tokens", 0)))
         reason = (meta.get("finish_reason") or {}).get("type") or "unknown"
         self.requests.labels(reason).inc()
+        if meta.get("session_id") is not None and reason != "abort":
+            history, cached = int(meta.get("session_history_tokens", 0)), int(meta.get("cached_tokens", 0))
+            self.session_turns.inc()
+            self.session_history.inc(history)
+            self.session_cached.inc(cached)
+            if history:
+                self.session_hit.observe(min(cached / history, 1.0))
 
     def observe_unfinished(self, outcome: str) -> None:
         """A request that ended without a final output: 'abort' (client gone) or 'error'."""
@@ -71,6 +90,8 @@ class Metrics:
         self.cache_tokens.set(stats["cache_tokens"])
         self.retractions.set(stats["retractions"])
         self.cache_hit_rate.set(cache_hit_rate(stats))
+        self.sessions_open.set(stats.get("sessions_open", 0))
+        self.session_pinned.set(stats.get("session_pinned_tokens", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -30,6 +30,7 @@ from radixlm.runtime.server.fields import (
 from radixlm.runtime.server.payload import finite_logprob, json_response, read_json_object
 from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
+from radixlm.runtime.sessions import SessionParams
 
 log = logging.getLogger("radixlm.server")
 
@@ -41,7 +42,7 @@ EXTRA_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eo
                 "spaces_between_special_tokens", "stop_token_ids", "no_stop_trim", "regex", "json_schema", "ebnf")
 COMPLETION_FIELDS = (*COMMON_FIELDS, *EXTRA_FIELDS, "prompt", "echo", "logprobs", "best_of")
 CHAT_FIELDS = (*COMMON_FIELDS, *EXTRA_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
-               "response_format", "tool_choice")
+               "response_format", "tool_choice", "session_id")
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                   "prompt_cache_retention", "reasoning_effort", "verbosity", "parallel_tool_calls")
 UNSUPPORTED_FIELDS = ("suffix", "logit_bias", "tools", "functions", "function_call", "audio", "prediction",
@@ -448,9 +449,23 @@ def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> Plan:
     _response_format(body, d)
     params = _params(d, n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    spec = PromptSpec(ids, params, rid, return_logprob=logprobs, top_logprobs_num=top if logprobs else 0)
+    spec = PromptSpec(ids, params, rid, return_logprob=logprobs, top_logprobs_num=top if logprobs else 0,
+                      session=_chat_session(body, n))
     return Plan(kind="chat", rid=rid, jobs=expand_jobs([spec]), n=n, stream=stream, include_usage=include_usage,
                 prompt_lens=[len(ids)], logprobs=logprobs, top_logprobs=top, constraint_param=_constraint_field(body))
+
+
+def _chat_session(body: Mapping[str, Any], n: int) -> SessionParams | None:
+    """``session_id`` (extension): the messages are the whole conversation, as always; the turn
+    replaces the session's history with it, so the KV of what it shares stays pinned."""
+    sid = get_str(body, "session_id")
+    if sid is None:
+        return None
+    if not sid:
+        raise ApiError(400, "session_id must be the non-empty id /open_session returned", param="session_id")
+    if n != 1:
+        raise ApiError(400, "a session turn has one choice; drop n or session_id", param="n")
+    return SessionParams(sid, replace=True)
 
 
 def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:

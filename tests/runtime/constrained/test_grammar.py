@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from matcher_helpers import _added_ids, _feed, _ids, _mask
 
 from radixlm.runtime.constrained import (
     GRAMMAR_BACKENDS,
@@ -33,40 +34,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def width(default_source) -> int:
-    return default_source.arch.vocab_size
-
-
-@pytest.fixture(scope="module")
-def vocab(smol_tokenizer, width):
-    return build_tokenizer_vocab(smol_tokenizer, width)
-
-
-@pytest.fixture(scope="module")
 def backend(vocab) -> XGrammarBackend:
     return GRAMMAR_BACKENDS["xgrammar"](vocab)
-
-
-def _ids(tok, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False)
-
-
-def _feed(matcher, ids) -> int | None:
-    """Accept ids in order; the index of the first rejected one, or None."""
-    for i, t in enumerate(ids):
-        if not matcher.accept(t):
-            return i
-    return None
-
-
-def _mask(matcher, width: int) -> set[int]:
-    row = allocate_bitmask(1, width)[0]
-    matcher.fill_mask(row)
-    return set(allowed_tokens(row, width))
-
-
-def _added_ids(tok) -> set[int]:
-    return set(tok.added_tokens_decoder) | set(tok.all_special_ids)
 
 
 # --- tokenizer description ------------------------------------------------------------------
@@ -384,4 +353,5 @@ def test_bench_handwritten_compile_or_value_error(backend):
             assert str(e).startswith("cannot compile json_schema: "), str(e)
             outcomes["error"] += 1
     assert outcomes["ok"] + outcomes["error"] == 20
-    assert outcomes["ok"] >= 10
+    # most hand-written schemas use "not", which a grammar cannot enforce: refused by name
+    assert outcomes["error"] >= 10

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from radixlm.runtime.kernels.attention.base import AttentionBackend, AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
+from radixlm.runtime.kv_pool import KVPool
 
-ATTENTION_BACKENDS: dict[str, type] = {"torch": TorchAttention}
+
+def _triton(pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
+    # imported on use: triton is optional, and runs only on CUDA or under TRITON_INTERPRET=1
+    from radixlm.runtime.kernels.attention.triton_backend import TritonAttention
+
+    return TritonAttention(pool, num_heads, head_dim)
+
+
+# name -> factory(pool, num_heads, head_dim); flashinfer is not wired in (docs/gpu.md)
+ATTENTION_BACKENDS: dict[str, Callable[[KVPool, int, int], AttentionBackend]] = {
+    "torch": TorchAttention,
+    "triton": _triton,
+}
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMeta", "TorchAttention"]

@@ -1,0 +1,428 @@
+"""JSONSchemaBench (MaskBench split) through our grammar backends, token by token.
+
+For every schema of every file in ``../shared/data/jsonschemabench/``: compile it (coverage),
+feed each ``valid`` instance's JSON text, tokenized with the default model's tokenizer (SmolLM2),
+through a matcher — every token must be in the mask and accepted, then the stop token (the
+grammar must be complete) — and each invalid instance, which must be refused somewhere (a token
+or the final stop). Grammar time per token is fill_mask + accept.
+
+Configuration (see docs/structured-output.md, "JSONSchemaBench"):
+- xgrammar: compact separators, strict mode (no properties beyond those a schema names: what
+  generation uses), any property order; outlines-core: compact separators (it has no
+  any-order or non-strict switch).
+- Instances are serialized compactly (``json.dumps(separators=(",", ":"), ensure_ascii=False)``)
+  with each object's keys put in the order the schema names them (first mention anywhere in
+  the schema; unnamed keys last), the order both backends generate in.
+
+Each (schema, backend) runs in one of ``--workers`` processes (2 by default) under a time and
+memory cap; a task past either is killed and counted as not compiled ("timeout", "memory").
+
+    python benchmarks/jsonschemabench.py [--limit N] [--backends xgrammar,outlines]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from radixlm.runtime.constrained.grammar import (
+    GRAMMAR_BACKENDS,
+    GrammarBackend,
+    GrammarConfig,
+    bitmask_width,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = ROOT.parent / "shared" / "data" / "jsonschemabench"
+FILES = ("Github_trivial", "Github_easy", "Glaiveai2K", "Handwritten", "Synthesized")
+BACKEND_CONFIGS = {
+    "xgrammar": GrammarConfig(json_any_order=True),
+    "outlines": GrammarConfig(),
+}
+# Published coverage (JSONSchemaBench paper, Llama-3.2-1B), from the data folder's README.
+PUBLISHED = {
+    "Github_easy": {"Guidance": 0.86, "XGrammar": 0.79, "llama.cpp": 0.75, "Outlines": 0.59},
+    "Glaiveai2K": {"Guidance": 0.96, "XGrammar": 0.93, "llama.cpp": 0.95, "Outlines": 0.95},
+}
+MAX_FAILURES_KEPT = 3
+
+
+# --- the pipeline (also used by tests/runtime/constrained/test_jsonschemabench.py) ----------
+
+
+def load_rows(data_dir: Path, file: str, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` rows (all when None) of one benchmark file."""
+    rows = []
+    with (data_dir / f"{file}.jsonl").open() as f:
+        for line in f:
+            if limit is not None and len(rows) >= limit:
+                break
+            rows.append(json.loads(line))
+    return rows
+
+
+def property_order(schema: Any) -> dict[str, int]:
+    """Each property name's rank by first mention under any ``properties`` of the schema."""
+    order: dict[str, int] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                for name in props:
+                    order.setdefault(name, len(order))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return order
+
+
+def serialize(data: Any, order: dict[str, int]) -> str:
+    """Compact JSON with object keys in schema order (unnamed keys last, as they were)."""
+
+    def reorder(node: Any) -> Any:
+        if isinstance(node, dict):
+            keys = sorted(enumerate(node), key=lambda ik: (order.get(ik[1], math.inf), ik[0]))
+            return {k: reorder(node[k]) for _, k in keys}
+        if isinstance(node, list):
+            return [reorder(v) for v in node]
+        return node
+
+    return json.dumps(reorder(data), separators=(",", ":"), ensure_ascii=False)
+
+
+def has_unnamed_key(data: Any, order: dict[str, int]) -> bool:
+    """Whether some object in ``data`` has a key the schema never names (strict mode refuses it)."""
+    if isinstance(data, dict):
+        return any(k not in order for k in data) or any(has_unnamed_key(v, order) for v in data.values())
+    if isinstance(data, list):
+        return any(has_unnamed_key(v, order) for v in data)
+    return False
+
+
+@dataclass
+class SchemaResult:
+    """One schema through one backend."""
+
+    file: str
+    name: str
+    backend: str
+    compiled: bool = False
+    error: str = ""
+    compile_s: float = 0.0
+    valid: int = 0
+    valid_accepted: int = 0
+    valid_unnamed_key: int = 0  # valid instances with a key the schema never names
+    invalid: int = 0
+    invalid_rejected: int = 0
+    no_forced_text: str = ""  # outlines: why the grammar has no character FSM
+    tokens: int = 0
+    grammar_s: float = 0.0  # fill_mask + accept, summed over tokens
+    mask_mismatches: int = 0  # tokens whose mask bit disagreed with accept()
+    failures: list[str] = field(default_factory=list)
+
+
+def feed(matcher: Any, ids: list[int], row: np.ndarray, stop: int) -> tuple[int | None, int, float, int]:
+    """Feed ``ids`` then ``stop``; (index of the first refused one or None, tokens fed,
+    grammar seconds, mask/accept disagreements)."""
+    spent, mismatches = 0.0, 0
+    for i, t in enumerate([*ids, stop]):
+        t0 = time.perf_counter()
+        matcher.fill_mask(row)
+        ok = matcher.accept(t)
+        spent += time.perf_counter() - t0
+        if bool((int(row[t // 32]) >> (t % 32)) & 1) != ok:
+            mismatches += 1
+        if not ok:
+            return i, i + 1, spent, mismatches
+    return None, len(ids) + 1, spent, mismatches
+
+
+def check_schema(backend: GrammarBackend, file: str, row: dict,
+                 encode: Callable[[str], list[int]], stop: int) -> SchemaResult:
+    """Compile ``row["schema"]`` and run its test instances through matchers."""
+    res = SchemaResult(file=file, name=row["name"], backend=backend.name)
+    t0 = time.perf_counter()
+    try:
+        grammar = backend.compile("json_schema", row["schema"])
+    except ValueError as e:
+        res.error = str(e)
+        return res
+    finally:
+        res.compile_s = time.perf_counter() - t0
+    res.compiled = True
+    res.no_forced_text = getattr(grammar, "char_fsm_error", "")
+    order = property_order(row["schema"])
+    bitmask = np.zeros(bitmask_width(grammar.vocab_size), dtype=np.int32)
+    for n, test in enumerate(row["tests"]):
+        text = serialize(test["data"], order)
+        matcher = grammar.new_matcher()
+        bad, fed, spent, mism = feed(matcher, encode(text), bitmask, stop)
+        res.tokens += fed
+        res.grammar_s += spent
+        res.mask_mismatches += mism
+        if test["valid"]:
+            res.valid += 1
+            res.valid_accepted += bad is None and matcher.is_terminated()
+            if bad is not None:
+                res.valid_unnamed_key += has_unnamed_key(test["data"], order)
+                if len(res.failures) < MAX_FAILURES_KEPT:
+                    res.failures.append(f"valid #{n} refused at token {bad}: {text[:160]}")
+        else:
+            res.invalid += 1
+            res.invalid_rejected += bad is not None
+            if bad is None and len(res.failures) < MAX_FAILURES_KEPT:
+                res.failures.append(f"invalid #{n} accepted ({test['description'][:80]}): {text[:160]}")
+    return res
+
+
+class Checker:
+    """Tokenizer + backends of the default model, built once per process."""
+
+    def __init__(self, backends: tuple[str, ...]) -> None:
+        from transformers import AutoTokenizer
+
+        from radixlm.runtime.config import default_cache_dir
+        from radixlm.runtime.constrained.tokenizer_info import build_tokenizer_vocab
+        from radixlm.runtime.model.source import DEFAULT_MODEL, resolve_model
+
+        source = resolve_model(DEFAULT_MODEL, default_cache_dir())
+        self.tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+        vocab = build_tokenizer_vocab(self.tokenizer, source.arch.vocab_size)
+        self.stop = vocab.stop_ids[0]
+        self.backends = {name: GRAMMAR_BACKENDS[name](vocab, BACKEND_CONFIGS[name]) for name in backends}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check(self, backend: str, file: str, row: dict) -> SchemaResult:
+        return check_schema(self.backends[backend], file, row, self.encode, self.stop)
+
+
+# --- process pool with a per-task time and memory cap ---------------------------------------
+
+
+def _worker(conn: Connection, backends: tuple[str, ...]) -> None:
+    checker = Checker(backends)
+    conn.send("ready")
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        backend, file, row = task
+        conn.send(asdict(checker.check(backend, file, row)))
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+@dataclass
+class _Slot:
+    proc: mp.Process
+    conn: Connection
+    task: tuple[str, str, dict] | None = None
+    started: float = 0.0
+    ready: bool = False
+
+
+def run_pool(tasks: list[tuple[str, str, dict]], backends: tuple[str, ...], workers: int,
+             timeout_s: float, max_rss: int) -> Iterator[dict]:
+    """Yield one result dict per task, from ``workers`` processes; a task past ``timeout_s``
+    (counted once its worker is ready) or ``max_rss`` bytes kills its worker (restarted)."""
+    ctx = mp.get_context("spawn")
+    todo = list(reversed(tasks))
+
+    def spawn() -> _Slot:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(child, backends), daemon=True)
+        proc.start()
+        child.close()
+        return _Slot(proc, parent)
+
+    slots = [spawn() for _ in range(min(workers, len(tasks)))]
+    pending = len(tasks)
+    while pending:
+        for slot in slots:
+            if slot.ready and slot.task is None and todo:
+                slot.task, slot.started = todo.pop(), time.monotonic()
+                slot.conn.send(slot.task)
+        for conn in wait([s.conn for s in slots], timeout=0.2):
+            slot = next(s for s in slots if s.conn is conn)
+            try:
+                msg = conn.recv()
+            except EOFError:
+                msg = None
+            if msg == "ready":
+                slot.ready = True
+            elif msg is not None:
+                slot.task = None
+                pending -= 1
+                yield msg
+        now = time.monotonic()
+        for i, slot in enumerate(slots):
+            if slot.task is None:
+                if not slot.proc.is_alive() and pending:
+                    raise RuntimeError(f"worker {slot.proc.pid} died with exit code {slot.proc.exitcode}")
+                continue
+            why = ""
+            if now - slot.started > timeout_s:
+                why = f"timeout: over {timeout_s:.0f} s"
+            elif _rss_bytes(slot.proc.pid) > max_rss:
+                why = f"memory: over {max_rss >> 20} MiB"
+            elif not slot.proc.is_alive():
+                why = f"crash: exit code {slot.proc.exitcode}"
+            if why:
+                backend, file, row = slot.task
+                slot.proc.kill()
+                slot.proc.join()
+                pending -= 1
+                yield asdict(SchemaResult(file=file, name=row["name"], backend=backend, error=why,
+                                          compile_s=now - slot.started))
+                slots[i] = spawn()
+    for slot in slots:
+        slot.conn.send(None)
+        slot.proc.join(timeout=5)
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def summarize(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per backend, per file: coverage, valid acceptance, invalid rejection, µs per token."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        s = out.setdefault(r["backend"], {}).setdefault(r["file"], {
+            "schemas": 0, "compiled": 0, "timeouts": 0, "valid": 0, "valid_accepted": 0,
+            "valid_unnamed_key": 0, "invalid": 0, "invalid_rejected": 0, "tokens": 0,
+            "grammar_s": 0.0, "compile_s": 0.0, "mask_mismatches": 0, "no_forced_text": 0,
+        })
+        s["schemas"] += 1
+        s["compiled"] += r["compiled"]
+        s["timeouts"] += r["error"].startswith(("timeout", "memory", "crash"))
+        s["compile_s"] += r["compile_s"]
+        s["no_forced_text"] += r["compiled"] and bool(r["no_forced_text"])
+        for k in ("valid", "valid_accepted", "valid_unnamed_key", "invalid", "invalid_rejected",
+                  "tokens", "grammar_s", "mask_mismatches"):
+            s[k] += r[k]
+    for files in out.values():
+        total = {k: 0 for k in next(iter(files.values()))}
+        for s in files.values():
+            for k, v in s.items():
+                total[k] += v
+        files["total"] = total
+        for s in files.values():
+            s["coverage"] = s["compiled"] / s["schemas"] if s["schemas"] else None
+            s["valid_acceptance"] = s["valid_accepted"] / s["valid"] if s["valid"] else None
+            s["invalid_rejection"] = s["invalid_rejected"] / s["invalid"] if s["invalid"] else None
+            s["us_per_token"] = 1e6 * s["grammar_s"] / s["tokens"] if s["tokens"] else None
+            s["mean_compile_ms"] = 1e3 * s["compile_s"] / s["schemas"] if s["schemas"] else None
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """A markdown table: one line per (file, backend)."""
+    lines = [
+        "| file | backend | schemas | coverage | published coverage | valid accepted | "
+        "invalid rejected | µs/token | mean compile ms |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    files = [f for f in (*FILES, "total") if any(f in s for s in summary.values())]
+    for f in files:
+        pub = ", ".join(f"{k} {v:.2f}" for k, v in PUBLISHED.get(f, {}).items()) or "-"
+        for backend, per_file in summary.items():
+            s = per_file.get(f)
+            if s is None:
+                continue
+            lines.append(
+                f"| {f} | {backend} | {s['schemas']} | {_pct(s['coverage'])} | {pub} | "
+                f"{s['valid_accepted']}/{s['valid']} ({_pct(s['valid_acceptance'])}) | "
+                f"{s['invalid_rejected']}/{s['invalid']} ({_pct(s['invalid_rejection'])}) | "
+                f"{s['us_per_token']:.1f} | {s['mean_compile_ms']:.0f} |"
+                if s["tokens"] else
+                f"| {f} | {backend} | {s['schemas']} | {_pct(s['coverage'])} | {pub} | - | - | - | "
+                f"{s['mean_compile_ms']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    ap.add_argument("--files", default=",".join(FILES), help="comma-separated file stems")
+    ap.add_argument("--backends", default="xgrammar,outlines")
+    ap.add_argument("--limit", type=int, default=None, help="first N schemas of each file")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=10.0, help="seconds per schema and backend")
+    ap.add_argument("--outlines-every", type=int, default=5,
+                    help="outlines runs on every K-th schema of each file (its index build is slow)")
+    ap.add_argument("--max-rss-mib", type=int, default=3072, help="memory cap per worker")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "jsonschemabench.json")
+    args = ap.parse_args()
+    if not 1 <= args.workers <= 2:
+        ap.error("--workers must be 1 or 2 (the machine is shared)")
+    backends = tuple(b for b in args.backends.split(",") if b)
+    for b in backends:
+        if b not in BACKEND_CONFIGS:
+            ap.error(f"unknown backend {b!r}; choose from {sorted(BACKEND_CONFIGS)}")
+    files = [f for f in args.files.split(",") if f]
+    tasks = [
+        (b, f, row)
+        for f in files
+        for i, row in enumerate(load_rows(args.data_dir, f, args.limit))
+        for b in backends
+        if b != "outlines" or i % args.outlines_every == 0
+    ]
+    t0 = time.time()
+    results = []
+    for i, r in enumerate(run_pool(tasks, backends, args.workers, args.timeout, args.max_rss_mib << 20)):
+        results.append(r)
+        if (i + 1) % 200 == 0:
+            print(f"  {i + 1}/{len(tasks)} tasks, {time.time() - t0:.0f} s", flush=True)
+    wall = time.time() - t0
+    summary = summarize(results)
+    print(table(summary))
+    print(f"wall {wall:.0f} s, {args.workers} workers")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"),
+        "host": platform.platform(),
+        "cpus": os.cpu_count(),
+        "versions": {d: version(d) for d in ("xgrammar", "outlines_core", "interegular", "transformers")},
+        "command": "python benchmarks/jsonschemabench.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
+        "configs": {b: asdict(BACKEND_CONFIGS[b]) for b in backends},
+        "wall_s": wall,
+        "summary": summary,
+        "results": sorted(results, key=lambda r: (r["file"], r["name"], r["backend"])),
+    }, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

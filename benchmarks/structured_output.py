@@ -1,0 +1,145 @@
+"""JSON extraction on the default model: free text vs constrained vs constrained + jump-forward.
+
+60 chat prompts each ask for one person record as JSON. Every mode runs the same prompts
+greedily, batched (all prompts in flight, as a server would see them) and one at a time (bs1,
+like the llama.cpp peer, which constrains with its own JSON-schema grammar). Reported per mode:
+forward passes per output, output tokens/s, grammar microseconds per output token, and how
+many outputs are valid JSON that matches the schema.
+
+    python benchmarks/structured_output.py [--skip-llama-cpp] [--prompts 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import jsonschema
+import torch
+
+from radixlm.runtime.engine import Engine
+from radixlm.runtime.model.source import DEFAULT_MODEL, builtin_gguf_path
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 40},
+        "occupation": {"type": "string", "maxLength": 40},
+        "email": {"type": "string", "maxLength": 60},
+    },
+    "required": ["name", "age", "city", "occupation", "email"],
+}
+NAMES = ["Alice Martin", "Bruno Keller", "Chen Wei", "Dana Scott", "Emeka Obi", "Farah Haddad", "Gustav Berg",
+         "Hana Sato", "Ivan Petrov", "Julia Costa"]
+CITIES = ["Lyon", "Berlin", "Osaka", "Lagos", "Toronto", "Lima"]
+JOBS = ["nurse", "carpenter", "data analyst", "teacher", "pilot", "chef"]
+MAX_NEW = 96
+
+
+def prompts(n: int) -> list[list[dict[str, str]]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        name, city, job, age = rng.choice(NAMES), rng.choice(CITIES), rng.choice(JOBS), rng.randint(20, 70)
+        email = name.lower().replace(" ", ".") + "@example.com"
+        text = f"{name} is a {age}-year-old {job} from {city}. You can reach them at {email}."
+        out.append([{"role": "user", "content": "Extract name, age, city, occupation and email as a JSON object "
+                     f"with exactly those keys.\nText: {text}"}])
+    return out
+
+
+def _valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def run_mode(engine: Engine, chats: list, params: dict, batched: bool) -> dict:
+    core = engine.core
+    core.grammar_seconds, core.grammar_tokens = 0.0, 0
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    if batched:
+        outs = engine.generate(chats, params)
+    else:
+        outs = [engine.generate(c, params) for c in chats]
+    dt = time.perf_counter() - t0
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    passes = sum(o["meta_info"]["forward_passes"] for o in outs)
+    return {
+        "seconds": dt,
+        "output_tokens": tokens,
+        "out_tok_s": tokens / dt,
+        "forward_passes_per_output": passes / len(outs),
+        "tokens_per_output": tokens / len(outs),
+        "grammar_us_per_token": core.grammar_seconds / max(tokens, 1) * 1e6,
+        "valid": sum(_valid(o["text"]) for o in outs),
+        "n": len(outs),
+    }
+
+
+def run_llama_cpp(chats: list, tok) -> dict:
+    from llama_cpp import Llama, LlamaGrammar
+
+    llm = Llama(model_path=str(builtin_gguf_path(DEFAULT_MODEL)), n_ctx=2048, n_threads=2, verbose=False)
+    grammar = LlamaGrammar.from_json_schema(json.dumps(SCHEMA), verbose=False)
+    texts, tokens = [], 0
+    t0 = time.perf_counter()
+    for chat in chats:
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        out: list[int] = []
+        for t in llm.generate(ids, temp=0.0, top_k=1, grammar=grammar):
+            if t == llm.token_eos() or len(out) >= MAX_NEW:
+                break
+            out.append(t)
+        tokens += len(out)
+        texts.append(llm.detokenize(out).decode("utf-8", "replace"))
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "output_tokens": tokens, "out_tok_s": tokens / dt,
+            "forward_passes_per_output": tokens / len(chats), "tokens_per_output": tokens / len(chats),
+            "grammar_us_per_token": None, "valid": sum(_valid(t) for t in texts), "n": len(chats)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=60)
+    ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/structured_output.json")
+    args = ap.parse_args()
+    chats = prompts(args.prompts)
+    engine = Engine(max_total_tokens=40000)
+    greedy = {"temperature": 0, "max_new_tokens": MAX_NEW}
+    modes = {
+        "free text": greedy,
+        "constrained": {**greedy, "json_schema": SCHEMA, "jump_forward": False},
+        "constrained + jump-forward": {**greedy, "json_schema": SCHEMA},
+    }
+    engine.generate(chats[0], modes["constrained + jump-forward"])  # warm up: compile, first steps
+    results: dict[str, dict] = {}
+    for batched in (True, False):
+        for mode, params in modes.items():
+            results[f"radixlm {mode} ({'batched' if batched else 'bs1'})"] = run_mode(engine, chats, params, batched)
+    if not args.skip_llama_cpp:
+        results["llama.cpp json-schema grammar (bs1)"] = run_llama_cpp(chats, engine.tokenizer)
+    engine.shutdown()
+    print(f"{'system':<44}{'passes/out':>11}{'tok/out':>9}{'out tok/s':>11}{'grammar us/tok':>16}{'valid':>9}")
+    for name, r in results.items():
+        g = f"{r['grammar_us_per_token']:.1f}" if r["grammar_us_per_token"] is not None else "-"
+        print(f"{name:<44}{r['forward_passes_per_output']:>11.1f}{r['tokens_per_output']:>9.1f}"
+              f"{r['out_tok_s']:>11.1f}{g:>16}{r['valid']:>5}/{r['n']}")
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "prompts": args.prompts, "max_new_tokens": MAX_NEW}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

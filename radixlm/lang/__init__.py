@@ -1,0 +1,35 @@
+"""The radixlm DSL (SGLang's frontend names): programs, their interpreter and backends."""
+
+from radixlm.lang.context import DslContext, set_default_backend
+from radixlm.lang.frontend.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
+from radixlm.lang.frontend.expr import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    image,
+    select,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+)
+from radixlm.lang.frontend.function import SglFunction, arun_graph, function, run_graph
+from radixlm.lang.interpreter.ir import Graph, GraphError
+from radixlm.lang.interpreter.runner import ProgramState, TraceError
+
+__all__ = [
+    "DslContext", "Graph", "GraphError", "ProgramState", "SglFunction", "TraceError", "arun_graph",
+    "assistant", "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string",
+    "greedy_token_selection", "image", "run_graph", "select", "set_default_backend", "system",
+    "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized",
+    "user", "user_begin", "user_end",
+]

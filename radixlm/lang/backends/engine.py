@@ -1,0 +1,67 @@
+"""The in-process Engine as a DSL backend: no HTTP, requests go straight into the scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from radixlm.lang.backends.base import (
+    Backend,
+    Connection,
+    GenOutput,
+    GenRequest,
+    ScorePrompt,
+    StreamChunk,
+    TokenLogprob,
+)
+from radixlm.lang.frontend.chat_template import ChatTemplate, from_tokenizer
+
+if TYPE_CHECKING:
+    from radixlm.runtime.engine import Engine
+
+
+class EngineBackend(Backend):
+    """Run programs on an in-process ``radixlm.Engine``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._template = from_tokenizer(engine.tokenizer)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        return self._template
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[Connection]:
+        yield _EngineConnection(self.engine)
+
+
+class _EngineConnection(Connection):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def generate(self, req: GenRequest) -> list[GenOutput]:
+        out = await self.engine.async_generate(
+            req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num)
+        outs = out if isinstance(out, list) else [out]
+        return [GenOutput(o["text"], o["meta_info"]) for o in outs]
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
+        async for chunk in self.engine.async_stream(
+                req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num):
+            yield StreamChunk(chunk["text"], chunk["meta_info"] if chunk["finished"] else None)
+
+    async def prefill(self, text: str) -> int:
+        out = await self.engine.async_generate(text, {"max_new_tokens": 0})
+        return out["meta_info"]["prompt_tokens"]
+
+    async def input_logprobs(self, prompts: Sequence[ScorePrompt], start: int) -> list[list[TokenLogprob]]:
+        params = {"max_new_tokens": 0}
+        if all(isinstance(p, str) for p in prompts):
+            outs = await self.engine.async_generate(list(prompts), params, return_logprob=True,
+                                                    logprob_start_len=start)
+        else:
+            outs = await self.engine.async_generate(None, params, input_ids=[list(p) for p in prompts],
+                                                    return_logprob=True, logprob_start_len=start)
+        return [[(lp, tok) for lp, tok in o["meta_info"]["input_token_logprobs"]] for o in outs]

@@ -1,0 +1,132 @@
+"""Any OpenAI-compatible server as a DSL backend (aiohttp; the ``openai`` package is not needed).
+
+Chat mode (default) sends the state's finished messages to /v1/chat/completions, so a gen must
+open an assistant message (``s += assistant(gen(...))``). Completion mode (``chat=False``) sends
+the state's text to /v1/completions. select() scores choices with prompt logprobs
+(/v1/completions with ``echo`` and ``logprobs``, ``max_tokens: 0``); a server without them gets
+a clear error. json_schema goes through ``response_format``; regex and ebnf, and sampling
+values OpenAI lacks (top_k, min_p, ...), are sent as the extension fields SGLang and vLLM read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from radixlm.lang.backends.base import (
+    Backend,
+    Connection,
+    GenOutput,
+    GenRequest,
+    ScorePrompt,
+    StreamChunk,
+    TokenLogprob,
+)
+from radixlm.lang.backends.runtime_endpoint import BackendError, _error_message
+from radixlm.lang.frontend.chat_template import FALLBACK, ChatTemplate
+
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+class OpenAI(Backend):
+    """Run programs on an OpenAI-compatible server (``base_url`` ends in /v1)."""
+
+    def __init__(self, model: str, base_url: str = "https://api.openai.com/v1", api_key: str | None = None,
+                 chat: bool = True, chat_template: ChatTemplate = FALLBACK, timeout: float = 600.0) -> None:
+        self.model, self.chat, self.timeout = model, chat, timeout
+        self.base_url = base_url.rstrip("/") + "/"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._template = chat_template
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """How the state's text spells roles (the chat API itself receives messages)."""
+        return self._template
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[Connection]:
+        async with aiohttp.ClientSession(headers=self.headers,
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
+            yield _OpenAIConnection(self, session)
+
+
+class _OpenAIConnection(Connection):
+    def __init__(self, backend: OpenAI, session: aiohttp.ClientSession) -> None:
+        self.be, self.session = backend, session
+
+    async def _post(self, route: str, body: dict[str, Any]) -> Any:
+        async with self.session.post(self.be.base_url + route, json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise BackendError(resp.status, _error_message(text))
+            return json.loads(text)
+
+    def _body(self, req: GenRequest) -> tuple[str, dict[str, Any]]:
+        sampling = dict(req.sampling)
+        body: dict[str, Any] = {"model": self.be.model}
+        schema = sampling.pop("json_schema", None)
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": json.loads(schema)}}
+        for key, value in sampling.items():
+            body[_OPENAI_NAMES.get(key, key)] = value
+        if req.return_logprob:
+            body["logprobs"] = True if self.be.chat else max(req.top_logprobs_num, 1)
+            if self.be.chat and req.top_logprobs_num:
+                body["top_logprobs"] = req.top_logprobs_num
+        if not self.be.chat:
+            return "completions", {**body, "prompt": req.text}
+        if req.open_role is None or req.open_role[0] != "assistant" or req.open_role[1]:
+            raise ValueError("with the OpenAI chat API a gen must open an assistant message: "
+                             "write `s += assistant(gen(...))`, or use OpenAI(..., chat=False)")
+        return "chat/completions", {**body, "messages": req.messages}
+
+    async def generate(self, req: GenRequest) -> list[GenOutput]:
+        route, body = self._body(req)
+        out = await self._post(route, body)
+        texts = [c["message"]["content"] if self.be.chat else c["text"] for c in out["choices"]]
+        return [GenOutput(t or "", {"finish_reason": c.get("finish_reason"), "usage": out.get("usage"),
+                                    "logprobs": c.get("logprobs")})
+                for t, c in zip(texts, out["choices"])]
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
+        route, body = self._body(req)
+        async with self.session.post(self.be.base_url + route, json={**body, "stream": True}) as resp:
+            if resp.status != 200:
+                raise BackendError(resp.status, _error_message(await resp.text()))
+            finish = None
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[len(b"data: "):])
+                for choice in event.get("choices", []):
+                    delta = choice["delta"].get("content") if self.be.chat else choice.get("text")
+                    if delta:
+                        yield StreamChunk(delta)
+                    finish = choice.get("finish_reason") or finish
+            yield StreamChunk("", {"finish_reason": finish})
+
+    async def prefill(self, text: str) -> int:
+        rows = await self.input_logprobs([text], 0)
+        return len(rows[0])
+
+    async def input_logprobs(self, prompts: Sequence[ScorePrompt], start: int) -> list[list[TokenLogprob]]:
+        texts = [p if isinstance(p, str) else "".join(str(t) for t in p) for p in prompts]
+        body = {"model": self.be.model, "prompt": texts, "max_tokens": 0, "echo": True, "logprobs": 0}
+        try:
+            out = await self._post("completions", body)
+        except BackendError as e:
+            raise ValueError(f"select needs prompt logprobs (/v1/completions with echo and logprobs), "
+                             f"which this server does not offer ({e})") from None
+        rows: list[list[TokenLogprob]] = [[] for _ in texts]
+        for choice in out["choices"]:
+            lp = choice.get("logprobs") or {}
+            if not lp.get("tokens"):
+                raise ValueError("select needs prompt logprobs, and this server returned none for echo")
+            rows[choice["index"]] = list(zip(lp["token_logprobs"], lp["tokens"]))[start:]
+        return rows

@@ -1,0 +1,134 @@
+"""A radixlm server (``radixlm serve``) as a DSL backend, over its native /generate API."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from radixlm.lang.backends.base import (
+    Backend,
+    Connection,
+    GenOutput,
+    GenRequest,
+    ScorePrompt,
+    StreamChunk,
+    TokenLogprob,
+)
+from radixlm.lang.frontend.chat_template import FALLBACK, ChatTemplate, from_tokenizer
+
+
+class BackendError(RuntimeError):
+    """The server refused or failed a request; the message holds its error."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class RuntimeEndpoint(Backend):
+    """Run programs on a radixlm (or SGLang-compatible) server at ``base_url``.
+
+    The chat template comes from the server's tokenizer when its path is readable here (same
+    machine), else from ``chat_template`` when given, else the documented fallback.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, chat_template: ChatTemplate | None = None,
+                 timeout: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+        self.model_info = self._get("/get_model_info")
+        self._template = chat_template or self._server_template()
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        return self._template
+
+    def _get(self, path: str) -> dict[str, Any]:
+        req = urllib.request.Request(self.base_url + path, headers=self.headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            raise BackendError(e.code, _error_message(e.read().decode(errors="replace"))) from None
+
+    def _server_template(self) -> ChatTemplate:
+        path = self.model_info.get("tokenizer_path")
+        if not path or not os.path.isdir(path):
+            return FALLBACK
+        from transformers import AutoTokenizer
+
+        return from_tokenizer(AutoTokenizer.from_pretrained(path))
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[Connection]:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(self.base_url, headers=self.headers, timeout=timeout,
+                                         connector=connector) as session:
+            yield _EndpointConnection(session)
+
+
+class _EndpointConnection(Connection):
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+
+    async def _post(self, body: dict[str, Any]) -> Any:
+        async with self.session.post("/generate", json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise BackendError(resp.status, _error_message(text))
+            return json.loads(text)
+
+    async def generate(self, req: GenRequest) -> list[GenOutput]:
+        out = await self._post({"text": req.text, "sampling_params": req.sampling,
+                                "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num})
+        outs = out if isinstance(out, list) else [out]
+        return [GenOutput(o["text"], o["meta_info"]) for o in outs]
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
+        body = {"text": req.text, "sampling_params": req.sampling, "stream": True,
+                "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num}
+        async with self.session.post("/generate", json=body) as resp:
+            if resp.status != 200:
+                raise BackendError(resp.status, _error_message(await resp.text()))
+            sent = 0
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[len(b"data: "):])
+                if "error" in event:
+                    raise BackendError(500, _error_message(json.dumps(event)))
+                text = event["text"]  # cumulative, as in SGLang
+                final = event["meta_info"].get("finish_reason") is not None
+                yield StreamChunk(text[sent:], event["meta_info"] if final else None)
+                sent = len(text)
+
+    async def prefill(self, text: str) -> int:
+        out = await self._post({"text": text, "sampling_params": {"max_new_tokens": 0}})
+        return out["meta_info"]["prompt_tokens"]
+
+    async def input_logprobs(self, prompts: Sequence[ScorePrompt], start: int) -> list[list[TokenLogprob]]:
+        body: dict[str, Any] = {"sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                                "logprob_start_len": start}
+        if all(isinstance(p, str) for p in prompts):
+            body["text"] = list(prompts)
+        else:
+            body["input_ids"] = [list(p) for p in prompts]
+        outs = await self._post(body)
+        return [[(e[0], e[1]) for e in o["meta_info"]["input_token_logprobs"]] for o in outs]
+
+
+def _error_message(body: str) -> str:
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body[:500]

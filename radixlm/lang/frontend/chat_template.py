@@ -1,0 +1,80 @@
+"""Role markers for system/user/assistant, derived from the model's own chat template.
+
+The tokenizer's Jinja template is rendered on probe conversations and the text around a marker
+gives each role's prefix and suffix, plus any default system message the template inserts when
+a conversation starts without one (SmolLM2 does). A leading BOS token is left out when the
+tokenizer adds one itself as it encodes the prompt. Without a usable template the fallback is
+``FALLBACK`` ("SYSTEM: ...", "USER: ...", "ASSISTANT: ...", one message per line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_MARK = "\x00{}\x00"
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """Prefix and suffix per role, and the text a conversation gets before a first non-system role."""
+
+    name: str
+    prefix: dict[str, str]
+    suffix: dict[str, str]
+    default_system: str = ""
+
+    def begin(self, role: str, at_start: bool) -> str:
+        """Text that opens a ``role`` message; ``at_start``: nothing precedes it in the state."""
+        lead = self.default_system if at_start and role != "system" else ""
+        return lead + self.prefix[role]
+
+    def end(self, role: str) -> str:
+        return self.suffix[role]
+
+
+FALLBACK = ChatTemplate(
+    name="fallback",
+    prefix={"system": "SYSTEM: ", "user": "USER: ", "assistant": "ASSISTANT: "},
+    suffix={"system": "\n", "user": "\n", "assistant": "\n"},
+)
+
+
+def from_tokenizer(tokenizer: Any) -> ChatTemplate:
+    """The template of a Hugging Face tokenizer, or FALLBACK when it has none or it cannot be probed."""
+    if not getattr(tokenizer, "chat_template", None):
+        return FALLBACK
+    try:
+        return _probe(tokenizer)
+    except Exception:  # noqa: BLE001 - templates that reject the probe conversations fall back
+        return FALLBACK
+
+
+def _probe(tokenizer: Any) -> ChatTemplate:
+    bos = tokenizer.bos_token or ""
+    ids = tokenizer.encode("x")
+    if not (bos and ids and ids[0] == tokenizer.bos_token_id):
+        bos = ""  # the tokenizer does not add it, so the template's own BOS text stays
+
+    def render(messages: list[dict[str, str]]) -> str:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        return text[len(bos):] if bos and text.startswith(bos) else text
+
+    sys_msg = {"role": "system", "content": _MARK.format("s")}
+    usr_msg = {"role": "user", "content": _MARK.format("u")}
+    asst_msg = {"role": "assistant", "content": _MARK.format("a")}
+    one = render([sys_msg])
+    two = render([sys_msg, usr_msg])
+    three = render([sys_msg, usr_msg, asst_msg])
+    if not (two.startswith(one) and three.startswith(two)):
+        raise ValueError("the template does not render conversations incrementally")
+    prefix, suffix = {}, {}
+    for role, text in (("system", one), ("user", two[len(one):]), ("assistant", three[len(two):])):
+        before, _, after = text.partition(_MARK.format(role[0]))
+        if not after and not text.endswith(_MARK.format(role[0])):
+            raise ValueError(f"the {role} marker is missing from the rendered template")
+        prefix[role], suffix[role] = before, after
+    user_only = render([usr_msg])
+    marker_at = user_only.index(prefix["user"] + _MARK.format("u"))
+    return ChatTemplate(name=getattr(tokenizer, "name_or_path", "") or "tokenizer",
+                        prefix=prefix, suffix=suffix, default_system=user_only[:marker_at])

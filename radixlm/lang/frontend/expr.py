@@ -1,0 +1,210 @@
+"""DSL expressions: what ``s += ...`` takes. Each expression is a short list of IR nodes.
+
+``gen``, ``select`` and the role helpers build nodes of the request graph directly, so a traced
+program and a program run step by step execute the very same nodes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from radixlm.lang.frontend.choices import (
+    METHODS,
+    ChoicesMethod,
+    token_length_normalized,
+)
+from radixlm.lang.frontend.sampling import DTYPE_REGEX, SamplingArgs
+from radixlm.lang.interpreter.ir import (
+    Constraint,
+    GenNode,
+    RoleBeginNode,
+    RoleEndNode,
+    SelectNode,
+    TextNode,
+)
+
+DType = type | Literal["int", "float", "bool", "str"] | None
+_DTYPES = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+class Expr:
+    """A sequence of nodes; ``a + b`` concatenates, and plain strings become constant text."""
+
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: Sequence[Any]) -> None:
+        self.nodes: tuple[Any, ...] = tuple(nodes)
+
+    def __add__(self, other: ExprLike) -> Expr:
+        return Expr(self.nodes + to_expr(other).nodes)
+
+    def __radd__(self, other: ExprLike) -> Expr:
+        return Expr(to_expr(other).nodes + self.nodes)
+
+    def __repr__(self) -> str:
+        return f"Expr({', '.join(n.op for n in self.nodes)})"
+
+
+ExprLike = Expr | str | int | float | bool
+
+
+def to_expr(value: ExprLike) -> Expr:
+    """An expression for ``value``: expressions as they are, anything else as its str() text."""
+    if isinstance(value, Expr):
+        return value
+    if value is None:
+        raise TypeError("cannot append None to a program state")
+    return Expr([TextNode(text=str(value))])
+
+
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    n: int | None = None,
+    seed: int | None = None,
+    regex: str | None = None,
+    json_schema: str | dict[str, Any] | type | None = None,
+    ebnf: str | None = None,
+    choices: Sequence[str] | None = None,
+    choices_method: ChoicesMethod | str = token_length_normalized,
+    dtype: DType = None,
+    return_logprob: bool = False,
+    top_logprobs_num: int = 0,
+) -> Expr:
+    """Generate text into variable ``name`` (SGLang's gen).
+
+    ``json_schema`` takes a dict, a JSON string or a Pydantic model class. ``dtype`` (int,
+    float, bool, str) constrains the output with a regex and stores the converted value.
+    ``choices`` makes this a select().
+    """
+    if choices is not None:
+        return select(name, choices, choices_method)
+    sampling = SamplingArgs(
+        max_new_tokens=max_tokens, min_new_tokens=min_tokens,
+        stop=stop if stop is None or isinstance(stop, str) else tuple(stop),
+        stop_token_ids=None if stop_token_ids is None else tuple(stop_token_ids),
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        repetition_penalty=repetition_penalty, ignore_eos=ignore_eos, n=n, seed=seed,
+    )
+    dtype_name = _dtype_name(dtype)
+    constraint = _constraint(regex, json_schema, ebnf, dtype_name)
+    return Expr([GenNode(name=name, sampling=sampling, constraint=constraint, dtype=dtype_name,
+                         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)])
+
+
+def gen_int(name: str | None = None, **kwargs: Any) -> Expr:
+    """gen() of an integer (the variable holds an int)."""
+    return gen(name, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
+    """gen() of a double-quoted string (the variable holds the text between the quotes)."""
+    return gen(name, dtype=str, **kwargs)
+
+
+def select(name: str | None = None, choices: Sequence[str] | None = None,
+           choices_method: ChoicesMethod | str = token_length_normalized) -> Expr:
+    """Append the choice the model scores highest after the state's text; store it in ``name``."""
+    if not choices:
+        raise ValueError("select needs a non-empty list of choices")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"select choices must be non-empty strings, got {list(choices)!r}")
+    method = choices_method.name if isinstance(choices_method, ChoicesMethod) else choices_method
+    method = {"greedy": "greedy_token_selection"}.get(method, method)
+    if method not in METHODS:
+        raise ValueError(f"unknown choices_method {method!r}; use one of {', '.join(METHODS)}")
+    return Expr([SelectNode(name=name, choices=list(choices), method=method)])
+
+
+def _dtype_name(dtype: DType) -> str | None:
+    if dtype is None:
+        return None
+    name = _DTYPES.get(dtype, dtype) if isinstance(dtype, type) else dtype
+    if name not in DTYPE_REGEX:
+        raise ValueError(f"dtype must be int, float, bool or str, got {dtype!r}")
+    return name
+
+
+def _constraint(regex: str | None, json_schema: Any, ebnf: str | None, dtype: str | None) -> Constraint | None:
+    given = [(k, v) for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf),
+                                 ("dtype", dtype)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"gen takes at most one of regex, json_schema, ebnf, dtype; got {', '.join(k for k, _ in given)}")
+    if not given:
+        return None
+    kind, spec = given[0]
+    if kind == "dtype":
+        return Constraint(kind="regex", spec=DTYPE_REGEX[spec])
+    if kind == "json_schema":
+        if isinstance(spec, type) and hasattr(spec, "model_json_schema"):
+            spec = spec.model_json_schema()
+        if not isinstance(spec, str):
+            spec = json.dumps(spec, separators=(",", ":"))
+    return Constraint(kind=kind, spec=spec)
+
+
+# -- roles ---------------------------------------------------------------------------------
+def _role(role: str, expr: ExprLike | None) -> Expr:
+    if expr is None:
+        raise TypeError(f"{role}() takes the message content; use `with s.{role}():` for the block form")
+    return Expr([RoleBeginNode(role=role), *to_expr(expr).nodes, RoleEndNode(role=role)])
+
+
+def system(expr: ExprLike | None = None) -> Expr:
+    """A system message around ``expr``, formatted by the model's chat template."""
+    return _role("system", expr)
+
+
+def user(expr: ExprLike | None = None) -> Expr:
+    """A user message around ``expr``."""
+    return _role("user", expr)
+
+
+def assistant(expr: ExprLike | None = None) -> Expr:
+    """An assistant message around ``expr`` (usually a gen)."""
+    return _role("assistant", expr)
+
+
+def system_begin() -> Expr:
+    return Expr([RoleBeginNode(role="system")])
+
+
+def system_end() -> Expr:
+    return Expr([RoleEndNode(role="system")])
+
+
+def user_begin() -> Expr:
+    return Expr([RoleBeginNode(role="user")])
+
+
+def user_end() -> Expr:
+    return Expr([RoleEndNode(role="user")])
+
+
+def assistant_begin() -> Expr:
+    return Expr([RoleBeginNode(role="assistant")])
+
+
+def assistant_end() -> Expr:
+    return Expr([RoleEndNode(role="assistant")])
+
+
+def image(path: str) -> Expr:
+    """Not supported: radixlm serves text-only models."""
+    raise NotImplementedError(
+        "image() is not supported: radixlm serves text-only (Llama-family) models, so programs "
+        "cannot include images")

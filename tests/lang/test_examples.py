@@ -1,0 +1,60 @@
+"""Smoke tests of examples/agents on the default model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"agents_{name}", AGENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_react_agent_runs_tools_and_feeds_observations_back(engine_backend):
+    agent = load("react_agent")
+    assert agent.calculator("17 * 23") == "391" and agent.calculator("__import__('os')").startswith("error")
+    assert agent.lookup("Capital of France?") == "Paris"
+    state = agent.main("What is 17 * 23?", backend=engine_backend)
+    messages = state.messages()
+    turns = [m for m in messages if m["role"] == "assistant"]
+    assert 1 <= len(turns) <= 3 and all(t["content"].startswith("Action: ") for t in turns)
+    observations = [m["content"] for m in messages if m["content"].startswith("Observation: ")]
+    # every tool step but a final finish got exactly the tool's own output back
+    tool_turns = [t for t in turns if not t["content"].startswith("Action: finish")]
+    assert len(observations) == len(tool_turns)
+    for turn, obs in zip(tool_turns, observations):
+        action, _, arg = turn["content"][len("Action: "):].partition("\nInput: ")
+        assert obs == "Observation: " + agent.TOOLS[action](arg)
+
+
+def test_tree_of_thought_forks_three_levels(engine_backend):
+    tot = load("tree_of_thought")
+    assert tot.tree_of_thought.trace(tot.PROBLEM).nodes[-1].op == "join"  # one static graph
+    state, score, path = tot.main(backend=engine_backend, step_tokens=4)
+    assert len(state["step3"]) == 2 and len(state["step1"][1][0]) == 2
+    assert len(path) == 3 and all(isinstance(step, str) for step in path)
+    assert score <= 0.0 and state["verdict"][1][1][1] in (" yes", " no")
+
+
+def test_json_extraction_batch_parses(engine_backend):
+    ex = load("json_extraction")
+    contacts = ex.main(backend=engine_backend, texts=ex.TEXTS[:3])
+    assert len(contacts) == 3 and all(isinstance(c.age, int) for c in contacts)
+
+
+def test_multi_turn_chat(engine_backend):
+    chat = load("multi_turn_chat")
+    turns = chat.TURNS[:2]
+    state = chat.main(backend=engine_backend, turns=turns, max_tokens=8)
+    roles = [m["role"] for m in state.messages()]
+    assert roles == ["system"] + ["user", "assistant"] * len(turns)
+    assert state.messages()[-1]["content"] == state[f"reply{len(turns) - 1}"]
