@@ -1,12 +1,12 @@
 """JSON extraction on the default model: free text vs constrained vs constrained + jump-forward.
 
 60 chat prompts each ask for one person record as JSON. Every mode runs the same prompts
-greedily, batched (all prompts in flight, as a server would see them) and one at a time (bs1,
+greedily, batched (all prompts in flight, as a server would see them) and the first 20 one at a time (bs1,
 like the llama.cpp peer, which constrains with its own JSON-schema grammar). Reported per mode:
 forward passes per output, output tokens/s, grammar microseconds per output token, and how
 many outputs are valid JSON that matches the schema.
 
-    python benchmarks/structured_output.py [--skip-llama-cpp] [--prompts 60]
+    python benchmarks/structured_output.py [--skip-llama-cpp] [--prompts 60] [--bs1-prompts 20]
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def run_llama_cpp(chats: list, tok) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=60)
+    ap.add_argument("--bs1-prompts", type=int, default=20, help="prompts for the one-at-a-time runs")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/structured_output.json")
     args = ap.parse_args()
@@ -125,10 +126,11 @@ def main() -> None:
     engine.generate(chats[0], modes["constrained + jump-forward"])  # warm up: compile, first steps
     results: dict[str, dict] = {}
     for batched in (True, False):
+        subset = chats if batched else chats[: args.bs1_prompts]
         for mode, params in modes.items():
-            results[f"radixlm {mode} ({'batched' if batched else 'bs1'})"] = run_mode(engine, chats, params, batched)
+            results[f"radixlm {mode} ({'batched' if batched else 'bs1'})"] = run_mode(engine, subset, params, batched)
     if not args.skip_llama_cpp:
-        results["llama.cpp json-schema grammar (bs1)"] = run_llama_cpp(chats, engine.tokenizer)
+        results["llama.cpp json-schema grammar (bs1)"] = run_llama_cpp(chats[: args.bs1_prompts], engine.tokenizer)
     engine.shutdown()
     print(f"{'system':<44}{'passes/out':>11}{'tok/out':>9}{'out tok/s':>11}{'grammar us/tok':>16}{'valid':>9}")
     for name, r in results.items():
