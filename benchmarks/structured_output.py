@@ -94,7 +94,8 @@ def run_llama_cpp(chats: list, tok) -> dict:
     texts, tokens = [], 0
     t0 = time.perf_counter()
     for chat in chats:
-        ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        ids = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)
         out: list[int] = []
         for t in llm.generate(ids, temp=0.0, top_k=1, grammar=grammar):
             if t == llm.token_eos() or len(out) >= MAX_NEW:
