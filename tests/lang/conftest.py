@@ -3,8 +3,13 @@ same options, so greedy results are comparable exactly."""
 
 from __future__ import annotations
 
-import dsl_server
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "server"))
+from server_harness import start_server  # noqa: E402 - the server tests' harness, shared
 
 API_KEY = "dsl-test-key"
 OPTIONS = {"dtype": "float32", "max_total_tokens": 8000, "context_length": 2048}
@@ -29,7 +34,7 @@ def engine_backend(engine):
 @pytest.fixture(scope="session")
 def server(default_source):
     args = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
-    s = dsl_server.start(*args, f"--api-key={API_KEY}")
+    s = start_server(*args, api_key=API_KEY)
     yield s
     s.stop()
 
