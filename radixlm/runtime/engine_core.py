@@ -127,7 +127,6 @@ class EngineCore:
         self.tracks: dict[str, _Track] = {}
         self._grammars: GrammarService | None = None
         self._compiling: dict[str, Future[Grammar]] = {}
-        self._failed: list[RequestOutput] = []
         self.grammar_seconds = 0.0  # masks, accepts and jumps, for the per-token grammar cost
         self.grammar_tokens = 0
         self.steps = 0
@@ -243,10 +242,12 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._compiling) or bool(self._failed)
+        return self.scheduler.has_work or bool(self._compiling)
 
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar is ready join the scheduler; a failed compile fails its request."""
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready join the scheduler; a failed compile fails its request
+        (its output, with ``error`` set, is returned)."""
+        failed: list[RequestOutput] = []
         if self._compiling and not self.scheduler.has_work:
             wait(self._compiling.values(), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
         for rid, future in list(self._compiling.items()):
@@ -260,15 +261,14 @@ class EngineCore:
                 track.req.finish_reason = "abort"
                 out = self._finish_output(track)
                 out.error = str(e)
-                self._failed.append(out)
+                failed.append(out)
                 continue
             self.scheduler.add(track.req)
+        return failed
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._compiling:
-            self._admit_compiled()
-        failed, self._failed = self._failed, []
+        failed = self._admit_compiled() if self._compiling else []
         self.sessions.expire()
         scheduled = self.scheduler.schedule()
         # pinned sessions must never starve live requests: unpin them, oldest first, until work fits
