@@ -129,11 +129,16 @@ def test_multi_turn_roles_value_and_block_forms(engine_backend, endpoint, smol_t
 
 
 def test_select_regex_and_dtypes(engine_backend, endpoint):
-    def run(be):
-        st = select_and_regex.run(backend=be, **GREEDY)
-        return st.variables(), st.get_meta_info("city")["scores"]
+    states = {}
 
-    values, scores = on_both(engine_backend, endpoint, run)
+    def run(be):
+        states[be] = st = select_and_regex.run(backend=be, **GREEDY)
+        return st.variables()
+
+    values = on_both(engine_backend, endpoint, run)
+    # choice scores are fp32 sums whose order differs with what the cache held: equal to ~1e-5
+    scores, remote_scores = (states[be].get_meta_info("city")["scores"] for be in (engine_backend, endpoint))
+    assert remote_scores == pytest.approx(scores, abs=1e-4)
     assert values["city"] == " Paris" and scores.index(max(scores)) == 0
     assert len(values["prefix"]) == 2 and values["prefix"].isdigit()
     assert isinstance(values["year"], int) and isinstance(values["pop"], float)
