@@ -35,8 +35,10 @@ class BackendError(RuntimeError):
 class RuntimeEndpoint(Backend):
     """Run programs on a radixlm (or SGLang-compatible) server at ``base_url``.
 
-    The chat template comes from the server's tokenizer when its path is readable here (same
-    machine), else from ``chat_template`` when given, else the documented fallback.
+    Role markers: ``chat_template`` when given; else the server's own (``role_markers`` in
+    ``/get_model_info``, probed from its tokenizer exactly as the in-process Engine backend
+    does); else, for a server that does not report them (SGLang), its tokenizer when
+    ``tokenizer_path`` is readable on this machine; else the documented fallback.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, chat_template: ChatTemplate | None = None,
@@ -45,6 +47,7 @@ class RuntimeEndpoint(Backend):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.model_info = self._get("/get_model_info")
+        self.template_source = "argument"  # where the role markers came from (docs/dsl.md)
         self._template = chat_template or self._server_template()
 
     @property
@@ -60,11 +63,21 @@ class RuntimeEndpoint(Backend):
             raise BackendError(e.code, _error_message(e.read().decode(errors="replace"))) from None
 
     def _server_template(self) -> ChatTemplate:
+        markers = self.model_info.get("role_markers")
+        if markers is not None:
+            try:
+                template = ChatTemplate.from_dict(markers)
+            except ValueError as e:
+                raise ValueError(f"{self.base_url}/get_model_info sent unusable role_markers: {e}") from None
+            self.template_source = "server"
+            return template
         path = self.model_info.get("tokenizer_path")
         if not path or not os.path.isdir(path):
+            self.template_source = "fallback"
             return FALLBACK
         from transformers import AutoTokenizer
 
+        self.template_source = "local tokenizer"
         return from_tokenizer(AutoTokenizer.from_pretrained(path))
 
     @asynccontextmanager

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _MARK = "\x00{}\x00"
+ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,29 @@ class ChatTemplate:
 
     def end(self, role: str) -> str:
         return self.suffix[role]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (a server's ``/get_model_info`` ``role_markers``)."""
+        return {"name": self.name, "prefix": dict(self.prefix), "suffix": dict(self.suffix),
+                "default_system": self.default_system}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ChatTemplate:
+        """Inverse of to_dict; ValueError naming what is wrong when ``data`` is malformed."""
+        if not isinstance(data, dict):
+            raise ValueError(f"role markers must be an object, got {type(data).__name__}")
+        problems = []
+        for key in ("prefix", "suffix"):
+            part = data.get(key)
+            if not isinstance(part, dict) or not all(isinstance(part.get(r), str) for r in ROLES):
+                problems.append(f"{key} must map each of {', '.join(ROLES)} to a string")
+        if not isinstance(data.get("default_system", ""), str):
+            problems.append("default_system must be a string")
+        if problems:
+            raise ValueError("invalid role markers: " + "; ".join(problems))
+        return cls(name=str(data.get("name") or "server"),
+                   prefix={r: data["prefix"][r] for r in ROLES}, suffix={r: data["suffix"][r] for r in ROLES},
+                   default_system=data.get("default_system", ""))
 
 
 FALLBACK = ChatTemplate(

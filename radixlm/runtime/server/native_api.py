@@ -31,6 +31,8 @@ GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "rid", "return_logpro
 GENERATE_UNSUPPORTED = ("image_data", "audio_data", "video_data", "input_embeds", "lora_path",
                         "custom_logit_processor", "return_hidden_states", "token_ids_logprob", "modalities")
 GENERATE_IGNORED = ("log_metrics",)
+TOKENIZE_FIELDS = ("prompt", "add_special_tokens", "model")  # SGLang's /tokenize request
+DETOKENIZE_FIELDS = ("tokens", "skip_special_tokens", "model")  # SGLang's /detokenize request
 HEALTH_GENERATE_TIMEOUT = 30.0
 
 
@@ -54,6 +56,8 @@ def routes() -> list[web.RouteDef]:
         web.post("/abort_request", abort_request),
         web.post("/open_session", open_session),
         web.post("/close_session", close_session),
+        web.post("/tokenize", tokenize),
+        web.post("/detokenize", detokenize),
     ]
 
 
@@ -304,6 +308,10 @@ async def get_model_info(request: web.Request) -> web.Response:
         "eos_token_ids": info["eos_token_ids"],
         "chat_template": tok.chat_template_name if tok is not None else None,
         "dtype": info.get("dtype"),
+        # the tokenizer's facts, so a remote client formats prompts as the server would
+        "chat_template_jinja": tok.chat_template_text if tok is not None else None,
+        "special_tokens": tok.special_tokens() if tok is not None else None,
+        "role_markers": tok.role_markers() if tok is not None else None,
     })
 
 
@@ -350,6 +358,52 @@ async def abort_request(request: web.Request) -> web.Response:
     dispatcher = ctx.dispatcher
     count = await dispatcher.abort(None if abort_all else rid) if dispatcher is not None else 0
     return json_response({"aborted": count})
+
+
+# -- tokenizer routes (SGLang's /tokenize and /detokenize) ------------------------------------
+async def tokenize(request: web.Request) -> web.Response:
+    """{prompt: str | [str], add_special_tokens?: bool = true, model?} -> {tokens, count, max_model_len}
+    (a list of each for a list of prompts). Prompts are not checked against the context length."""
+    ctx = request.app[CONTEXT]
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    check_keys(body, TOKENIZE_FIELDS)
+    get_str(body, "model")
+    special = get_bool(body, "add_special_tokens", True)
+    prompt = body.get("prompt")
+    tok = _require_tokenizer(ctx)
+    if isinstance(prompt, str):
+        ids = tok.encode_plain(prompt, special)
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": tok.context_length})
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        what = "is required" if prompt is None else "must be a string or a non-empty list of strings"
+        raise ApiError(400, f"prompt {what}", param="prompt")
+    ids_list = [tok.encode_plain(p, special) for p in prompt]
+    return json_response({"tokens": ids_list, "count": [len(x) for x in ids_list],
+                          "max_model_len": tok.context_length})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """{tokens: [int] | [[int]], skip_special_tokens?: bool = true, model?} -> {text} (a list for lists)."""
+    ctx = request.app[CONTEXT]
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    check_keys(body, DETOKENIZE_FIELDS)
+    get_str(body, "model")
+    skip = get_bool(body, "skip_special_tokens", True)
+    tokens = body.get("tokens")
+    tok = _require_tokenizer(ctx)
+    if is_token_list(tokens):
+        return json_response({"text": tok.decode_plain(tokens, skip, "tokens")})
+    if isinstance(tokens, list) and all(is_token_list(x) for x in tokens):
+        return json_response({"text": [tok.decode_plain(x, skip, f"tokens[{i}]") for i, x in enumerate(tokens)]})
+    what = "is required" if tokens is None else "must be a list of integer token ids, or a list of such lists"
+    raise ApiError(400, f"tokens {what}", param="tokens")
+
+
+def _require_tokenizer(ctx: ServerContext) -> ServerTokenizer:
+    ctx.require_engine()
+    if ctx.tokenizer is None:
+        raise ApiError(503, "the server is starting: the tokenizer is still loading", code="unavailable")
+    return ctx.tokenizer
 
 
 # -- sessions (docs/sessions.md) ----------------------------------------------------------

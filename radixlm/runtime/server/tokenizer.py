@@ -18,6 +18,7 @@ class ServerTokenizer:
         self.context_length = context_length
         self.vocab_size = vocab_size
         self._texts: dict[int, str] = {}
+        self._markers: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, info: Mapping[str, Any]) -> ServerTokenizer:
@@ -72,6 +73,45 @@ class ServerTokenizer:
                 self._texts.clear()
             self._texts[token_id] = text
         return text
+
+    # -- tokenizer facts (/get_model_info, /tokenize, /detokenize) --------------------------
+    def encode_plain(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` with no prompt checks (/tokenize counts, it does not generate)."""
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode_plain(self, ids: Sequence[int], skip_special_tokens: bool, param: str) -> str:
+        """Text of ``ids``; an id outside the vocabulary is a 400 naming ``param``."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"{param} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def chat_template_text(self) -> str | None:
+        """The model's own Jinja chat template (None when the tokenizer has none)."""
+        template = getattr(self.tok, "chat_template", None)
+        return template if isinstance(template, str) and template else None
+
+    def special_tokens(self) -> dict[str, Any]:
+        """bos/eos/pad/unk token texts and ids, and whether encoding a text adds BOS by itself."""
+        out: dict[str, Any] = {}
+        for kind in ("bos", "eos", "pad", "unk"):
+            out[f"{kind}_token"] = getattr(self.tok, f"{kind}_token", None)
+            out[f"{kind}_token_id"] = getattr(self.tok, f"{kind}_token_id", None)
+        ids = self.tok.encode("x")
+        out["add_bos_token"] = bool(out["bos_token_id"] is not None and ids and ids[0] == out["bos_token_id"])
+        out["all_special_tokens"] = list(getattr(self.tok, "all_special_tokens", []))
+        return out
+
+    def role_markers(self) -> dict[str, Any]:
+        """The DSL's role markers (radixlm.lang.frontend.chat_template), probed from this tokenizer
+        exactly as the in-process Engine backend does, so RuntimeEndpoint formats roles identically."""
+        if self._markers is None:
+            from radixlm.lang.frontend.chat_template import from_tokenizer
+
+            self._markers = from_tokenizer(self.tok).to_dict()
+        return self._markers
 
     @property
     def chat_template_name(self) -> str | None:

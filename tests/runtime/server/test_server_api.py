@@ -48,6 +48,34 @@ def test_info_routes(server: Server):
     assert stats["kv_slots_total"] == 16384 and stats["running_requests"] == 0
 
 
+def test_model_info_tokenizer_facts(server: Server, smol_tokenizer):
+    from radixlm.lang.frontend.chat_template import from_tokenizer
+
+    info = server.get("/get_model_info")[1]
+    assert info["chat_template_jinja"] == smol_tokenizer.chat_template
+    special = info["special_tokens"]
+    assert (special["bos_token"], special["eos_token"]) == (smol_tokenizer.bos_token, smol_tokenizer.eos_token)
+    assert special["eos_token_id"] in info["eos_token_ids"] and special["add_bos_token"] is False
+    # the role markers the in-process Engine backend derives from the same tokenizer
+    assert info["role_markers"] == from_tokenizer(smol_tokenizer).to_dict()
+    assert info["role_markers"]["default_system"].startswith("<|im_start|>system\n")
+
+
+def test_tokenize_and_detokenize(server: Server, smol_tokenizer):
+    text = "<|im_start|>user\nHello, radix trees!<|im_end|>"
+    ids = smol_tokenizer.encode(text)
+    status, got = server.post("/tokenize", {"prompt": text})
+    assert status == 200 and got == {"tokens": ids, "count": len(ids), "max_model_len": 2048}
+    status, got = server.post("/tokenize", {"prompt": [text, "a b"], "add_special_tokens": False, "model": "smol"})
+    assert status == 200 and got["tokens"] == [ids, smol_tokenizer.encode("a b", add_special_tokens=False)]
+    assert got["count"] == [len(ids), len(got["tokens"][1])]
+    assert server.post("/tokenize", {"prompt": ""})[1]["count"] == 0
+    # special tokens are dropped by default (SGLang's skip_special_tokens=true), kept on request
+    assert server.post("/detokenize", {"tokens": ids}) == (200, {"text": "user\nHello, radix trees!"})
+    status, got = server.post("/detokenize", {"tokens": [ids, []], "skip_special_tokens": False})
+    assert status == 200 and got == {"text": [text, ""]}
+
+
 # -- OpenAI client ------------------------------------------------------------------------
 def test_openai_chat_matches_native_generate(server: Server, oai: openai.OpenAI, smol_tokenizer):
     r = oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=8, temperature=0)
@@ -415,6 +443,20 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of must equal n", "best_of"),
     ("/v1/completions", {"prompt": "a", "logprobs": 99}, 400, "logprobs must be <= 20", "logprobs"),
     ("/abort_request", {}, 400, "give rid", "rid"),
+    ("/tokenize", {}, 400, "prompt is required", "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt must be a string or a non-empty list", "prompt"),
+    ("/tokenize", {"prompt": []}, 400, "prompt must be a string or a non-empty list", "prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400, "add_special_tokens must be true or false",
+     "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "text": "b"}, 400, "unknown field 'text'", "text"),
+    ("/tokenize", b"{bad", 400, "not valid JSON", None),
+    ("/detokenize", {}, 400, "tokens is required", "tokens"),
+    ("/detokenize", {"tokens": "hi"}, 400, "tokens must be a list of integer token ids", "tokens"),
+    ("/detokenize", {"tokens": [1, [2]]}, 400, "tokens must be a list of integer token ids", "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "outside the vocabulary", "tokens"),
+    ("/detokenize", {"tokens": [[1], [10**9]]}, 400, "outside the vocabulary", "tokens[1]"),
+    ("/detokenize", {"tokens": [1], "skip_special_tokens": 1}, 400, "skip_special_tokens must be true or false",
+     "skip_special_tokens"),
 ]
 
 
