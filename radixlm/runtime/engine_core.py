@@ -118,9 +118,9 @@ class EngineCore:
         )
         self.allocator = SlotAllocator(num_slots)
         self.cache = CACHES[cc.cache](self.allocator, cc.page_size)
-        self.scheduler = Scheduler(sc, self.cache, self.allocator, self.context_length)
         pin_cap = cc.max_pinned_tokens if cc.max_pinned_tokens is not None else num_slots // 2
         self.sessions = SessionManager(self.cache, pin_cap, cc.session_ttl, strip_bos=prepended_bos(self.tokenizer))
+        self.scheduler = Scheduler(sc, self.cache, self.allocator, self.context_length, self.sessions.unpin_lru)
         self.eos_ids = frozenset(arch.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -270,10 +270,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled() if self._compiling else []
         self.sessions.expire()
-        scheduled = self.scheduler.schedule()
-        # pinned sessions must never starve live requests: unpin them, oldest first, until work fits
-        while not scheduled and self.scheduler.has_work and self.sessions.unpin_lru():
-            scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()  # unpins sessions, oldest first, when work would not fit
         if not scheduled:
             return failed + self._drain_finished_without_step()
         self.steps += 1

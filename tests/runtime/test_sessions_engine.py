@@ -185,6 +185,34 @@ def test_pinned_kv_never_starves_a_request_that_needs_the_memory():
         e.shutdown()
 
 
+def test_a_request_out_of_decode_memory_gets_the_pins_before_it_is_ended():
+    e = _engine(max_total_tokens=300, max_pinned_tokens=300)
+    try:
+        sids = [e.open_session() for _ in range(4)]
+        prompts = [list(range(1000 + 50 * k, 1050 + 50 * k)) for k in range(4)]
+        firsts = [e.generate(input_ids=p, sampling_params=GREEDY, session_params={"id": sid})
+                  for p, sid in zip(prompts, sids)]
+        assert e.core.sessions.pinned_tokens == 4 * 55
+        # 80 slots are free: the 40-token prompt fits, its 60 output tokens do not
+        out = e.generate(input_ids=list(range(5000, 5040)),
+                         sampling_params={"temperature": 0, "max_new_tokens": 60, "ignore_eos": True})
+        meta = out["meta_info"]
+        assert meta["completion_tokens"] == 60 and meta["retractions"] == 0  # not ended at ~40
+        assert e.core.sessions.stats.unpinned_pressure == 1
+        assert [e.core.sessions.describe(s)["pinned_tokens"] for s in sids] == [0, 55, 55, 55]
+        # every session still works: the unpinned one recomputes its evicted history, the others read it
+        turns = [e.generate(input_ids=[7, 8, 9], sampling_params=GREEDY, session_params={"id": sid}) for sid in sids]
+        history = [p + f["output_ids"] for p, f in zip(prompts, firsts)]
+        assert turns[0]["meta_info"]["cached_tokens"] < len(history[0]) - 1
+        assert all(t["meta_info"]["cached_tokens"] >= len(h) - 1 for t, h in zip(turns[1:], history[1:]))
+        e.flush_cache()
+        ref = e.generate(input_ids=history[0] + [7, 8, 9], sampling_params=GREEDY)
+        assert ref["output_ids"] == turns[0]["output_ids"]
+        e.core.check_idle_integrity()
+    finally:
+        e.shutdown()
+
+
 def _pressure(max_pinned: int | None, sessions: int = 3, turns: int = 3) -> list[list[float]]:
     """Each round: one turn of every session (batched), then a prompt long enough to evict
     everything unpinned. Returns the hit rate (cached / history tokens) per session per turn

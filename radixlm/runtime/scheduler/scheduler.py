@@ -2,14 +2,15 @@
 
 Every step carries all decoding requests (one token each) plus as many prompt tokens as the
 prefill budget allows (chunked when a prompt is longer), so long prompts never stall decodes.
-Admission is by KV budget; when decode runs out of slots, the cache is evicted first and then
-the request that loses least is retracted (its KV goes into the cache, it waits again and
-resumes with the same output). Plain ints and lists only: no torch here.
+Admission is by KV budget; when decode runs out of slots, the cache is evicted first, then
+idle KV held outside requests (session pins) is reclaimed, and only then the request that loses
+least is retracted (its KV goes into the cache, it waits again and resumes with the same
+output). Plain ints and lists only: no torch here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixlm.runtime.batch import SeqStep
@@ -41,13 +42,19 @@ class Scheduler:
         cache: PrefixCache,
         allocator: SlotAllocator,
         max_context: int,
+        reclaim: Callable[[], bool] | None = None,
     ) -> None:
+        """``reclaim``: release one holder of locked cache KV that no request needs (a session's
+        pin, least recently used first), so that it becomes evictable; False when none is left.
+        Called before a running request is retracted or ended for lack of KV, and when nothing
+        at all can be scheduled."""
         if config.policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {config.policy!r}; choose one of {sorted(POLICIES)}")
         self.config = config
         self.cache = cache
         self.allocator = allocator
         self.max_context = max_context
+        self.reclaim = reclaim
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.free_rows = list(range(config.max_running_requests - 1, -1, -1))
@@ -113,6 +120,13 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
         """Pick this step's work and allocate KV slots for it."""
+        out = self._schedule()
+        # KV held for later (session pins) never starves live requests: reclaim it until work fits
+        while not out and self.has_work and self.reclaim is not None and self.reclaim():
+            out = self._schedule()
+        return out
+
+    def _schedule(self) -> list[Scheduled]:
         c = self.config
         self.new_token_ratio = max(self.new_token_ratio - c.new_token_ratio_decay, c.min_new_token_ratio)
         decoding = [r for r in self.running if r.is_decoding]
@@ -178,6 +192,8 @@ class Scheduler:
                 for req, slot in zip(decoding, slots):
                     req.slots.append(slot)
                 return decoding
+            if self.reclaim is not None and self.reclaim():  # idle pins go before any running request
+                continue
             if len(self.running) == 1:
                 # alone and still out of memory: the request cannot grow any further
                 self.finish(decoding[0], "length")

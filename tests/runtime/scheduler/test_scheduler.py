@@ -98,6 +98,49 @@ def test_alone_out_of_memory_finishes_with_length():
     sim.check_idle()
 
 
+def _pin(sim: Sim, tokens: list[int], hook: bool = True) -> list[object]:
+    """Cache ``tokens`` and lock them as a session pin does; with ``hook`` the scheduler may
+    reclaim (unlock) them. Returns the pins still held."""
+    sim.add("warm", tokens, 0)
+    sim.run()
+    pins = [sim.cache.match_prefix(tokens).node]
+    sim.cache.lock(pins[0])
+
+    def reclaim() -> bool:
+        if not pins:
+            return False
+        sim.cache.unlock(pins.pop())
+        return True
+
+    sim.sched.reclaim = reclaim if hook else None
+    return pins
+
+
+def test_alone_out_of_memory_reclaims_idle_pins_before_ending():
+    sim = Sim(60)
+    pins = _pin(sim, list(range(10, 50)))  # 40 locked, 20 free
+    req = sim.add("big", [1, 2, 3], 40)  # needs 43 slots
+    sim.run()
+    assert not pins and req.retractions == 0
+    assert req.output_ids == reference_output(req.prompt_ids, 40)  # not cut short
+    sim.check_idle()
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_idle_pins_are_reclaimed_before_a_running_request_is_retracted(hook):
+    sim = Sim(60, init_new_token_ratio=0.1, min_new_token_ratio=0.1)  # admits both; they outgrow the pool
+    pins = _pin(sim, list(range(10, 40)), hook)
+    sim.add("a", [1, 2, 3, 4, 5], 20)
+    sim.add("b", [6, 7, 8, 9, 1], 20)
+    sim.run()
+    assert_outputs_match_reference(sim)
+    if hook:
+        assert not pins and sim.sched.num_retractions == 0
+        sim.check_idle()
+    else:  # the pin stays, so a running request is retracted instead
+        assert pins and sim.sched.num_retractions > 0
+
+
 def test_prompt_phase_request_is_never_retracted_as_a_decoder():
     """A prompt cut by the chunk budget with one token left has no output yet: it must be
     prefilled, not treated as a decoding request (nor retracted as one, which would return its
