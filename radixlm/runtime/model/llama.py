@@ -3,7 +3,8 @@
 Tokens of all sequences in a step are flattened into one [T, hidden] batch; attention is the
 only part that needs to know where sequences begin and end, and the backend holds that.
 On CUDA, RMSNorm (with the residual add), RoPE and SiLU*up run as fused triton kernels
-(radixlm.runtime.kernels.fused); elsewhere as the plain PyTorch below.
+(radixlm.runtime.kernels.fused) and one-row linear layers as a triton GEMV
+(radixlm.runtime.kernels.gemv); elsewhere as the plain PyTorch below.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ class RMSNorm(nn.Module):
         return self.forward(summed), summed
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on CUDA a single row (batch-1 decode) goes through the triton GEMV, which reads
+    the weights faster than cuBLAS's split-K kernels for these shapes (docs/gpu.md)."""
+    if x.is_cuda:
+        from radixlm.runtime.kernels import gemv
+
+        return gemv.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, layer: int) -> None:
         super().__init__()
@@ -53,10 +64,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> torch.Tensor:
         a = self.arch
-        q, k, v = self.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q, k = rotary.apply(q.view(-1, a.num_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim))
         v = v.view(-1, a.num_kv_heads, a.head_dim)
-        return self.o_proj(backend.forward(self.layer, q, k, v))
+        return linear(backend.forward(self.layer, q, k, v), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -66,11 +78,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = linear(x, self.gate_up_proj.weight)
         if gate_up.is_cuda:
             from radixlm.runtime.kernels import fused
 
-            return self.down_proj(fused.silu_mul(gate_up))
+            return linear(fused.silu_mul(gate_up), self.down_proj.weight)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -134,4 +146,4 @@ class LlamaModel(nn.Module):
         if logit_rows is not None:
             h, residual = h[logit_rows], residual[logit_rows]
         h, _ = self.norm.add_forward(h, residual)
-        return F.linear(h, self.lm_head_weight).float()
+        return linear(h, self.lm_head_weight).float()

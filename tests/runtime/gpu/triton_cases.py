@@ -98,6 +98,24 @@ def fused_errors(arch: ModelArch, tokens: int, dtype: torch.dtype, device: str, 
     gate_up = rand(tokens, 2 * arch.intermediate_size)
     gate, up = gate_up.chunk(2, dim=-1)
     errs["silu_mul"] = rel(fused.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    errs.update(gemv_errors(device, dtype, gen))
+    return errs
+
+
+def gemv_errors(device: str, dtype: torch.dtype, gen: torch.Generator) -> dict[str, float]:
+    """The batch-1 GEMV kernel against an fp64 product: K a multiple of the block and not, with
+    and without bias, N not a multiple of the block."""
+    from radixlm.runtime.kernels.gemv import GemvConfig, gemv
+
+    errs = {}
+    for n, k, bias in ((40, 96, False), (33, 2048, True), (70, 1500, False)):
+        x = torch.randn(1, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
+        b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+        ref = x.double() @ w.double().T + (b.double() if bias else 0)
+        for cfg in (GemvConfig(), GemvConfig(block_n=4, block_k=256)):
+            got = gemv(x, w, b, cfg).double()
+            errs[f"gemv {n}x{k} bias={bias} {cfg.block_n}x{cfg.block_k}"] = ((got - ref).norm() / ref.norm()).item()
     return errs
 
 

@@ -1,0 +1,131 @@
+"""Batch-1 linear layers on the GPU: cuBLAS (`F.linear`, and the weight-times-column form) vs
+the triton GEMV kernel (radixlm/runtime/kernels/gemv.py) over a sweep of launch shapes, for the
+weight shapes of Llama-3-8B. Prints one table (µs per call, GB/s of weight read) and writes
+the full sweep as JSON.
+
+    python benchmarks/gemv.py [--out benchmarks/results/gemv.json] [--quick]
+
+Each variant is timed as a CUDA graph replaying the call over enough distinct weight copies
+(>= 512 MiB) that nothing is served from L2, as in a decode step where every layer's weights
+differ; the figure is the per-call median over replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.runtime.kernels.gemv import GemvConfig, gemv
+
+SHAPES = {  # name: (N, K) of Llama-3-8B's weights
+    "qkv_proj": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up_proj": (28672, 4096),
+    "down_proj": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+SWEEP = {"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+QUICK = {"block_n": (8, 16), "block_k": (512,), "num_warps": (4,), "num_stages": (2, 3)}
+
+
+def graph_time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                  weights: list[torch.Tensor], replays: int = 20) -> float:
+    """Median per-call µs of `fn(x, w)` over all `weights`, captured once as a graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(weights))
+    return statistics.median(times)
+
+
+def copy_gbps(gib: int = 2) -> float:
+    """Device-to-device copy, bytes read plus written."""
+    n = (gib << 30) // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 4 * n / statistics.median(times) / 1e9
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/gemv.json")
+    ap.add_argument("--quick", action="store_true", help="a few launch shapes only")
+    args = ap.parse_args()
+    sweep = QUICK if args.quick else SWEEP
+    configs = [GemvConfig(*v) for v in itertools.product(*sweep.values())]
+    torch.manual_seed(0)
+    results: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "copy_gbps": copy_gbps(), "shapes": {}}
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(2, -(-(512 << 20) // nbytes))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ weights[0].float().T
+        gbps = lambda us: nbytes / us / 1e3  # noqa: E731
+        entry: dict[str, object] = {"n": n, "k": k, "bytes": nbytes}
+        entry["linear_us"] = graph_time_us(lambda a, w: F.linear(a, w), x, weights)
+        entry["matvec_us"] = graph_time_us(lambda a, w: (w @ a.view(-1, 1)).view(1, -1), x, weights)
+        sweep_rows = []
+        for cfg in configs:
+            try:
+                err = rel_err(gemv(x, weights[0], config=cfg), ref)
+                us = graph_time_us(lambda a, w, c=cfg: gemv(a, w, config=c), x, weights)
+            except Exception as e:  # a launch shape the compiler refuses (too many registers, ...)
+                sweep_rows.append({"config": cfg.__dict__, "error": repr(e)[:200]})
+                continue
+            sweep_rows.append({"config": cfg.__dict__, "us": us, "rel_err": err})
+        ok = sorted((r for r in sweep_rows if "us" in r and r["rel_err"] < 1e-2), key=lambda r: r["us"])
+        entry["sweep"] = sweep_rows
+        entry["best"] = ok[:5]
+        results["shapes"][name] = entry
+        best = ok[0] if ok else {"us": float("nan"), "config": {}, "rel_err": float("nan")}
+        rows.append((name, nbytes / 2**20, entry["linear_us"], gbps(entry["linear_us"]), entry["matvec_us"],
+                     gbps(entry["matvec_us"]), best["us"], gbps(best["us"]), best["rel_err"], best["config"]))
+        del weights
+        torch.cuda.empty_cache()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"\n{results['gpu']}: copy {results['copy_gbps']:.0f} GB/s (read+write)")
+    print(f"{'weight':<13}{'MiB':>7}{'linear µs':>11}{'GB/s':>7}{'matvec µs':>11}{'GB/s':>7}{'gemv µs':>9}{'GB/s':>7}{'err':>9}  config")
+    for r in rows:
+        print(f"{r[0]:<13}{r[1]:>7.0f}{r[2]:>11.1f}{r[3]:>7.0f}{r[4]:>11.1f}{r[5]:>7.0f}{r[6]:>9.1f}{r[7]:>7.0f}{r[8]:>9.1e}  {r[9]}")
+
+
+if __name__ == "__main__":
+    main()
