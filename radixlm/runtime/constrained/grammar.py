@@ -16,8 +16,9 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Protocol
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
+from radixlm.runtime.constrained.schema_check import UnsupportedSchema, prepare_json_schema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
 __all__ = [
@@ -178,23 +179,74 @@ def _clean_engine_error(err: BaseException) -> str:
     return msg.strip() or type(err).__name__
 
 
+class TokenBan:
+    """Tokens a grammar must never allow, whatever its engine says, applied to mask rows.
+
+    xgrammar lets a raw control character (a tab, say) into a JSON string that has a length
+    limit or a pattern; JSON forbids those, so json_schema grammars ban every token holding a
+    byte below 0x20 other than newline and carriage return (which xgrammar never puts inside a
+    string, and which "any" whitespace needs between values)."""
+
+    __slots__ = ("ids", "_words", "_keep", "_torch")
+
+    def __init__(self, ids: frozenset[int]) -> None:
+        import numpy as np
+
+        self.ids = ids
+        words: dict[int, int] = {}
+        for t in ids:
+            words[t // 32] = words.get(t // 32, 0) | (1 << (t % 32))
+        self._words = np.array(sorted(words), dtype=np.int64)
+        # int32 words whose bits are 1 except the banned ones
+        self._keep = np.array([~words[w] & 0xFFFFFFFF for w in sorted(words)], dtype=np.uint32).view(np.int32)
+        self._torch: tuple[Any, Any] | None = None
+
+    @classmethod
+    def json_control_bytes(cls, decoded: Sequence[bytes]) -> TokenBan:
+        bad = set(range(0x20)) - {0x0A, 0x0D}
+        return cls(frozenset(t for t, b in enumerate(decoded) if bad.intersection(b)))
+
+    def apply(self, row: Any) -> None:
+        """Clear the banned tokens' bits in ``row`` (numpy or torch int32, 1-D)."""
+        if not len(self._words):
+            return
+        if isinstance(row, __import__("numpy").ndarray):
+            row[self._words] &= self._keep
+            return
+        if self._torch is None:
+            import torch
+
+            self._torch = (torch.from_numpy(self._words), torch.from_numpy(self._keep))
+        words, keep = self._torch
+        row[words] &= keep
+
+
 class XGrammarMatcher:
     """One request's xgrammar matcher state."""
 
-    __slots__ = ("_m", "vocab_size")
+    __slots__ = ("_m", "vocab_size", "_ban")
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, ban: TokenBan | None = None) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
+        self._ban = ban
 
     def fill_mask(self, bitmask_row: Any) -> bool:
         """Write the allowed next tokens into ``bitmask_row`` (1-D int32, CPU).
 
         Returns False when every token is allowed (the row need not be applied)."""
-        return bool(self._m.fill_next_token_bitmask(bitmask_row.reshape(1, -1)))
+        need = bool(self._m.fill_next_token_bitmask(bitmask_row.reshape(1, -1)))
+        if self._ban is None:
+            return need
+        if not need:
+            bitmask_row[...] = -1
+        self._ban.apply(bitmask_row)
+        return True
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""
+        if self._ban is not None and token in self._ban.ids:
+            return False
         return bool(self._m.accept_token(int(token)))
 
     def rollback(self, n: int) -> None:
@@ -218,16 +270,17 @@ class XGrammarMatcher:
 
 
 class XGrammarGrammar:
-    __slots__ = ("kind", "vocab_size", "_compiled", "_xgr")
+    __slots__ = ("kind", "vocab_size", "_compiled", "_xgr", "_ban")
 
-    def __init__(self, kind: str, compiled: Any, vocab_size: int, xgr: Any) -> None:
+    def __init__(self, kind: str, compiled: Any, vocab_size: int, xgr: Any, ban: TokenBan | None = None) -> None:
         self.kind = kind
         self.vocab_size = vocab_size
         self._compiled = compiled
         self._xgr = xgr
+        self._ban = ban
 
     def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(self._compiled), self.vocab_size)
+        return XGrammarMatcher(self._xgr.GrammarMatcher(self._compiled), self.vocab_size, self._ban)
 
 
 class CachedGrammarBackend:
@@ -269,31 +322,6 @@ class CachedGrammarBackend:
         raise NotImplementedError
 
 
-# Keywords a context-free grammar cannot enforce: xgrammar would compile the schema and let
-# outputs through that break them, so such schemas are refused up front.
-UNENFORCEABLE_KEYWORDS = ("not", "uniqueItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_DATA_KEYWORDS = ("enum", "const", "default", "examples", "description", "title")
-
-
-def unenforceable_keyword(schema: Any) -> str | None:
-    """The first keyword in ``schema`` (or a subschema) that a grammar cannot enforce, if any."""
-    if isinstance(schema, list):
-        return next((k for k in map(unenforceable_keyword, schema) if k), None)
-    if not isinstance(schema, dict):
-        return None
-    for key, value in schema.items():
-        if key in UNENFORCEABLE_KEYWORDS and value not in (False, None):
-            return key
-        if key in _DATA_KEYWORDS:
-            continue
-        subs = value.values() if key in _SCHEMA_MAPS and isinstance(value, dict) else [value]
-        found = next((k for k in map(unenforceable_keyword, subs) if k), None)
-        if found:
-            return found
-    return None
-
-
 class XGrammarBackend(CachedGrammarBackend):
     """Compiles constraints with xgrammar against a :class:`TokenizerVocab`. Thread-safe."""
 
@@ -312,21 +340,24 @@ class XGrammarBackend(CachedGrammarBackend):
             add_prefix_space=False,
         )
         self.tokenizer_info = info
+        self._json_ban = TokenBan.json_control_bytes(vocab.decoded)
         self._compiler = xgr.GrammarCompiler(
             info, max_threads=self.config.compile_threads, cache_enabled=False
         )
 
     def _compile_uncached(self, kind: str, norm: Any) -> XGrammarGrammar:
-        return XGrammarGrammar(kind, self._compile_engine(kind, norm), self.vocab_size, self._xgr)
+        ban = self._json_ban if kind == "json_schema" else None
+        return XGrammarGrammar(kind, self._compile_engine(kind, norm), self.vocab_size, self._xgr, ban)
 
     def _compile_engine(self, kind: str, norm: Any) -> Any:
         c = self._compiler
         cfg = self.config
         if kind == "json_schema":
-            bad = unenforceable_keyword(json.loads(norm))
-            if bad:
-                raise ValueError(f"cannot compile json_schema: the keyword {bad!r} is not supported "
-                                 "(a grammar cannot enforce it); remove it from the schema")
+            # Refuse what xgrammar only approximates; compile the (maybe narrowed) result.
+            try:
+                norm = _json_dumps(prepare_json_schema(json.loads(norm)))
+            except UnsupportedSchema as e:
+                raise ValueError(f"cannot compile json_schema: {e}") from None
         try:
             if kind == "json_schema":
                 return c.compile_json_schema(

@@ -1,0 +1,444 @@
+"""JSON Schemas that xgrammar enforces exactly; refusals, by name, of what it only approximates.
+
+xgrammar compiles most of JSON Schema, but some constructs it drops with a warning or silently:
+it would compile the schema and let outputs through that break it. The promise of constrained
+decoding is that every finished output validates, so :func:`prepare_json_schema` walks the
+schema the way a validator would (from the root, following local ``$ref``\\ s) and either
+returns the schema to compile or raises :class:`UnsupportedSchema` naming the construct and
+where it is. The rules (docs/structured-output.md, "What xgrammar cannot enforce") were found
+by reading the grammars xgrammar builds (``xgrammar.Grammar.from_json_schema``) and checked by
+generating under every JSONSchemaBench schema (tests/runtime/constrained/test_schema_check.py).
+
+A few rewrites let xgrammar enforce a schema it would otherwise get wrong; each one only
+narrows what the schema accepts, so outputs still validate against the original:
+
+- a schema without ``type`` whose keywords belong to some types (``minLength``, ``minimum``,
+  ``required``...) gets those types: xgrammar would otherwise accept any JSON value there;
+- ``enum`` / ``const`` values that do not match a sibling ``type`` are dropped (xgrammar emits
+  enum values without looking at ``type``);
+- a ``oneOf`` whose branches provably exclude each other becomes ``anyOf`` (the same set).
+
+Pure Python; the input is never modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from typing import Any
+
+__all__ = ["UnsupportedSchema", "prepare_json_schema"]
+
+
+class UnsupportedSchema(ValueError):
+    """A schema construct the grammar engine cannot enforce exactly."""
+
+
+STRING_KEYWORDS = ("minLength", "maxLength", "pattern")
+NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+ARRAY_KEYWORDS = ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "contains",
+                  "minContains", "maxContains", "uniqueItems", "unevaluatedItems")
+OBJECT_KEYWORDS = ("properties", "patternProperties", "additionalProperties", "propertyNames",
+                   "required", "minProperties", "maxProperties", "dependentRequired",
+                   "dependentSchemas", "dependencies", "unevaluatedProperties")
+COMBINATORS = ("anyOf", "oneOf", "allOf")
+# Keywords that constrain an instance. Anything else (title, description, default, format,
+# x-..., $defs, ...) the validator does not assert (format only with a FormatChecker).
+ASSERTIONS = frozenset((
+    "type", "enum", "const", *STRING_KEYWORDS, *NUMBER_KEYWORDS, *ARRAY_KEYWORDS,
+    *OBJECT_KEYWORDS, *COMBINATORS, "not", "if", "$ref", "$dynamicRef", "$recursiveRef",
+))
+_FAMILIES = (("string", STRING_KEYWORDS), ("number", NUMBER_KEYWORDS),
+             ("array", ARRAY_KEYWORDS), ("object", OBJECT_KEYWORDS))
+_TYPES = frozenset(("string", "number", "integer", "boolean", "null", "array", "object"))
+
+# keyword -> why it is refused wherever a validator would reach it
+REFUSED = {
+    "not": "a grammar cannot enforce it",
+    "if": "if/then/else is not enforced by the grammar engine",
+    "dependentRequired": "the grammar engine ignores it",
+    "dependencies": "the grammar engine ignores it",
+    "dependentSchemas": "the grammar engine ignores it",
+    "contains": "the grammar engine ignores it",
+    "uniqueItems": "a grammar cannot enforce it",
+    "$dynamicRef": "dynamic references are not supported",
+    "$recursiveRef": "dynamic references are not supported",
+}
+# A regex construct xgrammar drops with a warning (its other unsupported constructs fail to
+# compile with their own error).
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+_LEGACY_DRAFT = re.compile(r"draft-0[3-7]/")
+
+
+def prepare_json_schema(schema: Any) -> Any:
+    """The schema to compile for ``schema`` (a copy, maybe narrowed), or UnsupportedSchema."""
+    if not isinstance(schema, dict):
+        return schema
+    return _Checker(copy.deepcopy(schema)).run()
+
+
+def _types(node: dict[str, Any]) -> set[str] | None:
+    t = node.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return set(t)
+    return None
+
+
+def _value_types(v: Any) -> set[str]:
+    if v is None:
+        return {"null"}
+    if isinstance(v, bool):
+        return {"boolean"}
+    if isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v.is_integer()):
+        return {"integer", "number"}
+    if isinstance(v, float):
+        return {"number"}
+    if isinstance(v, str):
+        return {"string"}
+    return {"array"} if isinstance(v, list) else {"object"}
+
+
+def _canon(v: Any) -> str:
+    """A key under which two JSON values are equal iff the validator calls them equal."""
+    def norm(x: Any) -> Any:
+        if isinstance(x, bool) or x is None or isinstance(x, str):
+            return x
+        if isinstance(x, (int, float)):
+            return ["#num", float(x)]
+        if isinstance(x, list):
+            return [norm(y) for y in x]
+        return {k: norm(y) for k, y in x.items()}
+    return json.dumps(norm(v), sort_keys=True)
+
+
+def _overlap(a: set[str], b: set[str]) -> bool:
+    if a & b:
+        return True
+    return ("integer" in a and "number" in b) or ("number" in a and "integer" in b)
+
+
+def _anchor_in_middle(pattern: str) -> bool:
+    """True when ``^`` / ``$`` stands anywhere but at the ends of a top-level alternative
+    (xgrammar drops such anchors, which can turn an impossible pattern into a possible one)."""
+    n, i = len(pattern), 0
+    in_class = False
+    at_start = [True]  # per open group: did it open where an alternative starts?
+    alt_start = True  # nothing but '(' since the start of the current alternative
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            alt_start = False
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class, alt_start = True, False
+        elif c == "(":
+            at_start.append(alt_start)
+            if pattern.startswith("(?:", i):
+                i += 2
+        elif c == ")":
+            if len(at_start) > 1:
+                at_start.pop()
+            alt_start = False
+        elif c == "|":
+            alt_start = at_start[-1]
+        elif c == "^":
+            if not alt_start:
+                return True
+        elif c == "$":
+            j, depth = i + 1, len(at_start) - 1
+            while j < n and pattern[j] == ")":
+                j, depth = j + 1, depth - 1
+            if not (j == n or (pattern[j] == "|" and depth == 0)):
+                return True
+        else:
+            alt_start = False
+        i += 1
+    return False
+
+
+class _Checker:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.original = copy.deepcopy(root)  # refs of a schema "as written" resolve here
+        self.legacy_ref = bool(_LEGACY_DRAFT.search(str(root.get("$schema", ""))))
+        self.seen_refs: set[str] = set()
+
+    def run(self) -> Any:
+        return self.node(self.root, "")
+
+    def fail(self, path: str, what: str) -> UnsupportedSchema:
+        return UnsupportedSchema(f"{what} (at {path or '/'})")
+
+    def resolve(self, ref: Any, root: Any) -> tuple[Any, str] | None:
+        """The node a local ``$ref`` points at, or None for a ref xgrammar resolves itself."""
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return None
+        node: Any = root
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/")[1:]]
+        for p in parts:
+            if isinstance(node, dict) and p in node:
+                node = node[p]
+            elif isinstance(node, list) and p.isdigit() and int(p) < len(node):
+                node = node[int(p)]
+            else:
+                return None
+        return node, ref[1:]
+
+    def deref(self, node: Any, root: Any) -> Any:
+        """Follow ``$ref`` chains (without siblings) to the schema they name."""
+        for _ in range(32):
+            if not (isinstance(node, dict) and "$ref" in node):
+                return node
+            hit = self.resolve(node["$ref"], root)
+            if hit is None:
+                return node
+            node = hit[0]
+        return node
+
+    # -- the walk -------------------------------------------------------------------------
+
+    def node(self, node: Any, path: str) -> Any:
+        if not isinstance(node, dict):
+            return node  # booleans; anything else xgrammar reports itself
+        for key, why in REFUSED.items():
+            if key in node and not (key == "uniqueItems" and node[key] is False):
+                raise self.fail(path, f"the keyword {key!r} is not supported: {why}")
+        assertions = ASSERTIONS.intersection(node)
+        if "$ref" in node:
+            others = sorted(assertions - {"$ref"})
+            if others and not self.legacy_ref:
+                raise self.fail(path, f"'$ref' next to {', '.join(others)} is not supported: the grammar "
+                                      "engine ignores keywords beside a $ref; move them into the referenced schema")
+            hit = self.resolve(node["$ref"], self.root)
+            if hit is not None and hit[1] not in self.seen_refs:
+                self.seen_refs.add(hit[1])
+                target, where = hit
+                replaced = self.node(target, where)
+                assert replaced is target or not isinstance(target, dict)
+            return node
+        combinators = [c for c in COMBINATORS if c in node]
+        if combinators:
+            return self.combinator(node, path, combinators, assertions)
+        if "enum" in node or "const" in node:
+            return self.enum(node, path, assertions)
+        types = _types(node)
+        if types is None:
+            if "type" in node:
+                return node  # malformed: xgrammar reports it
+            inferred = {fam for fam, kws in _FAMILIES if any(k in node for k in kws)}
+            if not inferred:
+                return node
+            types = inferred
+            node["type"] = sorted(inferred) if len(inferred) > 1 else next(iter(inferred))
+        if "string" in types:
+            self.string(node, path)
+        if types & {"number", "integer"}:
+            self.number(node, path, types)
+        if "object" in types:
+            self.object(node, path)
+        if "array" in types:
+            self.array(node, path)
+        return node
+
+    def combinator(self, node: dict[str, Any], path: str, combinators: list[str], assertions: set[str]) -> dict[str, Any]:
+        kind = combinators[0]
+        others = sorted(assertions - {kind})
+        if others:
+            raise self.fail(path, f"{kind!r} next to {', '.join(others)} is not supported: the grammar engine "
+                                  f"compiles the {kind} branches alone; move those keywords into each branch")
+        branches = node[kind]
+        if not isinstance(branches, list) or not branches:
+            return node  # malformed: xgrammar reports it
+        if kind == "allOf" and len(branches) > 1:
+            raise self.fail(path, "'allOf' with several subschemas is not supported: the grammar engine "
+                                  "does not intersect them; merge them into one schema")
+        originals = copy.deepcopy(branches)
+        node[kind] = [self.node(b, f"{path}/{kind}/{i}") for i, b in enumerate(branches)]
+        if kind == "oneOf":
+            for i, gen in enumerate(node[kind]):
+                for j, other in enumerate(originals):
+                    if i != j and not self.excludes(gen, other):
+                        raise self.fail(path, f"'oneOf' whose branches {min(i, j)} and {max(i, j)} may both match "
+                                              "is not supported: a grammar cannot enforce 'exactly one'; use anyOf, "
+                                              "or make the branches exclusive (different types or a const "
+                                              "discriminator property)")
+            node["anyOf"] = node.pop("oneOf")
+        return node
+
+    def enum(self, node: dict[str, Any], path: str, assertions: set[str]) -> dict[str, Any]:
+        others = sorted(assertions - {"enum", "const", "type"})
+        if others:
+            raise self.fail(path, f"'enum'/'const' next to {', '.join(others)} is not supported: the grammar "
+                                  "engine emits the listed values without checking them; list only values that pass")
+        if "const" in node:
+            values = [node["const"]]
+            if "enum" in node and isinstance(node["enum"], list):
+                if _canon(node["const"]) not in {_canon(v) for v in node["enum"]}:
+                    raise self.fail(path, "'const' is not one of the 'enum' values: no value is valid")
+                del node["enum"]
+        elif isinstance(node["enum"], list):
+            values = node["enum"]
+        else:
+            return node  # malformed: xgrammar reports it
+        types = _types(node)
+        if types is not None:
+            kept = [v for v in values if _overlap(_value_types(v), types)]
+            if not kept:
+                raise self.fail(path, "no 'enum'/'const' value matches 'type': no value is valid")
+            if len(kept) < len(values):
+                if "const" in node:
+                    node["const"] = kept[0]
+                else:
+                    node["enum"] = kept
+        return node
+
+    def string(self, node: dict[str, Any], path: str) -> None:
+        lengths = [k for k in ("minLength", "maxLength") if k in node]
+        for k in ("pattern", "format"):
+            if k in node and lengths:
+                raise self.fail(path, f"{' and '.join(lengths)} together with {k!r} is not supported: the grammar "
+                                      f"engine ignores the length then; put the length into the pattern")
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            self.pattern(pattern, path)
+
+    def pattern(self, pattern: str, path: str) -> None:
+        if _LOOKAROUND.search(pattern):
+            raise self.fail(path, f"pattern {pattern!r}: lookaround assertions are not supported "
+                                  "(the grammar engine ignores them)")
+        if _anchor_in_middle(pattern):
+            raise self.fail(path, f"pattern {pattern!r}: '^' or '$' inside the pattern is not supported "
+                                  "(the grammar engine ignores it); anchor only at the ends")
+
+    def number(self, node: dict[str, Any], path: str, types: set[str]) -> None:
+        if "multipleOf" not in node:
+            return
+        m = node["multipleOf"]
+        if "number" in types:
+            raise self.fail(path, "'multipleOf' on a number is not supported: the grammar engine ignores it "
+                                  "(it is enforced on integers without a range)")
+        ranged = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in node]
+        if ranged:
+            raise self.fail(path, f"'multipleOf' together with {', '.join(ranged)} is not supported: the grammar "
+                                  "engine ignores the multipleOf then")
+        if not (isinstance(m, int) or (isinstance(m, float) and m.is_integer())):
+            raise self.fail(path, "'multipleOf' that is not a whole number is not supported on an integer")
+
+    def object(self, node: dict[str, Any], path: str) -> None:
+        props = node.get("properties")
+        props = props if isinstance(props, dict) else {}
+        required = node.get("required")
+        pattern_props = node.get("patternProperties")
+        additional = node.get("additionalProperties")
+        open_additional = additional is not None and additional is not False
+        if not open_additional:
+            # "name": false only forbids the key; strict generation never writes unnamed keys
+            for name in [k for k, v in props.items() if v is False]:
+                if isinstance(required, list) and name in required:
+                    raise self.fail(path, f"required property {name!r} has the schema false: no value is valid")
+                del props[name]
+            if isinstance(pattern_props, dict):
+                for pat in [k for k, v in pattern_props.items() if v is False]:
+                    del pattern_props[pat]
+        if isinstance(required, list):
+            missing = [r for r in required if r not in props]
+            if missing:
+                raise self.fail(path, f"required property {missing[0]!r} is not listed in 'properties': the grammar "
+                                      "engine never generates it; add it to 'properties'")
+        if isinstance(pattern_props, dict) and pattern_props:
+            if open_additional:
+                raise self.fail(path, "'patternProperties' together with 'additionalProperties' is not supported: "
+                                      "the grammar engine may give a pattern-matching key the additional schema")
+            for pat in pattern_props:
+                self.pattern(pat, f"{path}/patternProperties")
+                for name in props:
+                    try:
+                        hit = re.search(pat, name)
+                    except re.error:
+                        hit = None
+                    if hit:
+                        raise self.fail(path, f"property {name!r} also matches patternProperties {pat!r}: its value "
+                                              "must pass both schemas, which the grammar engine does not intersect")
+        n_required = len(set(required)) if isinstance(required, list) else 0
+        min_props = node.get("minProperties")
+        if (open_additional or pattern_props) and isinstance(min_props, (int, float)) and min_props > n_required:
+            raise self.fail(path, "'minProperties' beyond the required properties together with "
+                                  "additionalProperties/patternProperties is not supported: a repeated key counts "
+                                  "twice for the grammar but once for the validator")
+        for name, sub in props.items():
+            props[name] = self.node(sub, f"{path}/properties/{name}")
+        if isinstance(pattern_props, dict):
+            for pat, sub in pattern_props.items():
+                pattern_props[pat] = self.node(sub, f"{path}/patternProperties/{pat}")
+        if isinstance(additional, dict):
+            node["additionalProperties"] = self.node(additional, f"{path}/additionalProperties")
+        names = node.get("propertyNames")
+        if isinstance(names, dict):
+            if "type" not in names and "enum" not in names and "const" not in names and "$ref" not in names:
+                names = {**names, "type": "string"}  # property names are strings
+            node["propertyNames"] = self.node(names, f"{path}/propertyNames")
+
+    def array(self, node: dict[str, Any], path: str) -> None:
+        items = node.get("items")
+        if isinstance(items, dict):
+            node["items"] = self.node(items, f"{path}/items")
+        prefix = node.get("prefixItems")
+        if isinstance(prefix, list):
+            node["prefixItems"] = [self.node(s, f"{path}/prefixItems/{i}") for i, s in enumerate(prefix)]
+
+    # -- exclusiveness --------------------------------------------------------------------
+
+    def gen_types(self, node: Any) -> set[str] | None:
+        """Types of the values generated under ``node`` (already prepared), None if unknown."""
+        if not isinstance(node, dict):
+            return None
+        if "enum" in node or "const" in node:
+            vals = [node["const"]] if "const" in node else node.get("enum")
+            if isinstance(vals, list):
+                return set().union(*(_value_types(v) for v in vals)) if vals else set()
+        return _types(node)
+
+    def excludes(self, gen: Any, other: Any, depth: int = 0) -> bool:
+        """True if no value generated under ``gen`` (prepared) is valid under ``other`` (as written)."""
+        gen, other = self.deref(gen, self.root), self.deref(other, self.original)
+        if gen is False or other is False:
+            return True
+        if not isinstance(gen, dict) or not isinstance(other, dict) or depth > 8:
+            return False
+        g_vals = [gen["const"]] if "const" in gen else gen.get("enum")
+        o_vals = [other["const"]] if "const" in other else other.get("enum")
+        o_types = _types(other)
+        if isinstance(g_vals, list):
+            o_keys = {_canon(v) for v in o_vals} if isinstance(o_vals, list) else None
+            return all((o_keys is not None and _canon(v) not in o_keys)
+                       or (o_types is not None and not _overlap(_value_types(v), o_types)) for v in g_vals)
+        g_types = self.gen_types(gen)
+        if g_types is None:
+            return False
+        if o_types is not None and not _overlap(g_types, o_types):
+            return True
+        if isinstance(o_vals, list) and not any(_overlap(_value_types(v), g_types) for v in o_vals):
+            return True
+        if g_types == {"object"}:
+            return self.objects_exclude(gen, other, depth)
+        return False
+
+    def objects_exclude(self, gen: dict[str, Any], other: dict[str, Any], depth: int) -> bool:
+        g_props = gen.get("properties") if isinstance(gen.get("properties"), dict) else {}
+        o_props = other.get("properties") if isinstance(other.get("properties"), dict) else {}
+        g_req = gen.get("required") if isinstance(gen.get("required"), list) else []
+        o_req = other.get("required") if isinstance(other.get("required"), list) else []
+        # a property gen always writes whose value other refuses
+        for p in g_req:
+            if p in o_props and p in g_props and self.excludes(g_props[p], o_props[p], depth + 1):
+                return True
+        # a property other requires that gen never writes (strict: only named properties)
+        closed = gen.get("additionalProperties") in (None, False) and not gen.get("patternProperties")
+        return closed and any(p not in g_props for p in o_req)
