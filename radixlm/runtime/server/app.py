@@ -13,12 +13,14 @@ from radixlm.runtime.server import native_api, openai_api
 from radixlm.runtime.server.context import CONTEXT, ServerContext
 from radixlm.runtime.server.errors import ApiError, error_body
 from radixlm.runtime.server.metrics import CONTENT_TYPE
+from radixlm.runtime.server.openapi import openapi_spec
 from radixlm.runtime.server.payload import json_response, too_large
 
 log = logging.getLogger("radixlm.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_ROUTES = frozenset({"/health"})  # answered without the API key (load balancers, orchestrators)
+# answered without the API key (load balancers, orchestrators, API tooling)
+OPEN_ROUTES = frozenset({"/health", "/openapi.json"})
 
 
 def create_app(ctx: ServerContext) -> web.Application:
@@ -26,8 +28,13 @@ def create_app(ctx: ServerContext) -> web.Application:
     app[CONTEXT] = ctx
     app.add_routes(native_api.routes())
     app.add_routes(openai_api.routes())
-    app.add_routes([web.get("/metrics", metrics)])
+    app.add_routes([web.get("/metrics", metrics), web.get("/openapi.json", openapi)])
     return app
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI 3.1 description of every route, with this server's limits."""
+    return json_response(openapi_spec(request.app[CONTEXT].settings))
 
 
 async def metrics(request: web.Request) -> web.Response:
