@@ -108,6 +108,12 @@ SERVER_HELP = {
     "shutdown_grace": "seconds in-flight requests get to finish after SIGTERM/SIGINT, then they are aborted",
     "served_model_name": "model id reported by /v1/models (default: the model's name)",
     "max_top_logprobs": "largest top_logprobs_num / top_logprobs / logprobs a request may ask for",
+    "restart_on_failure": "start a fresh engine process when it dies (at most --max-restarts per --restart-window)",
+    "max_restarts": "engine restarts allowed within --restart-window; past it the server answers 503 until restarted",
+    "restart_window": "seconds over which --max-restarts is counted",
+    "stream_write_timeout": "seconds a stream may wait for its client to read; then the request is aborted "
+                            "and the connection closed",
+    "max_pending_outputs": "engine outputs one request may have waiting for its HTTP handler; then it is aborted",
 }
 
 
@@ -118,8 +124,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("ServerSettings")
     hints = typing.get_type_hints(ServerSettings)
     for f in dataclasses.fields(ServerSettings):
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_scalar(hints[f.name]),
-                           default=f.default, help=f"{SERVER_HELP.get(f.name, '')} (default: {f.default})")
+        kind = _scalar(hints[f.name])
+        switch = {"nargs": "?", "const": True} if kind is _parse_bool else {}  # --flag alone means true
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+                           help=f"{SERVER_HELP.get(f.name, '')} (default: {f.default})", **switch)
 
 
 def server_settings(ns: argparse.Namespace) -> Any:

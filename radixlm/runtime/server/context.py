@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +20,8 @@ from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.metrics import Metrics
 from radixlm.runtime.server.settings import ServerSettings
 from radixlm.runtime.server.tokenizer import ServerTokenizer
+
+log = logging.getLogger("radixlm.server")
 
 
 class Phase(enum.Enum):
@@ -41,6 +45,10 @@ class ServerContext:
         self._busy = 0  # generation handlers in flight
         self._idle = asyncio.Event()
         self._idle.set()
+        self._supervisor: asyncio.Task[None] | None = None
+        self._engine_down: str | None = None  # why the engine cannot serve (it died; restarting or not)
+        self._restarts: deque[float] = deque()  # monotonic times of restarts within the window
+        self.num_restarts = 0
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -48,9 +56,64 @@ class ServerContext:
         self._client = EngineClient(self.engine_config)
         self.info = await self._client.start()
         self._tokenizer = await asyncio.to_thread(ServerTokenizer.load, self.info)
-        self._dispatcher = Dispatcher(self._client, self.metrics, self.settings.max_queued_requests)
+        self._dispatcher = Dispatcher(self._client, self.metrics, self.settings.max_queued_requests,
+                                      self.settings.max_pending_outputs)
         if self.phase is Phase.STARTING:
             self.phase = Phase.READY
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        """Wait for the engine process to exit; restart it if --restart-on-failure allows, else
+        leave the server answering 503. Requests in flight at the crash have failed already."""
+        while True:
+            assert self._client is not None
+            why = await self._client.wait_exit()
+            if self.phase is not Phase.READY:
+                return  # shutting down: the exit was ours
+            log.error("%s", why)
+            self.metrics.engine_crashes.inc()
+            while True:
+                refusal = self._restart_refusal()
+                if refusal is not None:
+                    self._engine_down = f"{why}; not restarted: {refusal}"
+                    log.error("%s; the server answers 503 until it is restarted", self._engine_down)
+                    return
+                self._restarts.append(time.monotonic())
+                self._engine_down = f"{why}; restarting it"
+                log.warning("restarting the engine process (restart %d within %.0f s, at most %d)",
+                            len(self._restarts), self.settings.restart_window, self.settings.max_restarts)
+                client = EngineClient(self.engine_config)
+                try:
+                    self.info = await client.start()
+                    break
+                except Exception as e:  # noqa: BLE001 - a failed restart counts against the cap too
+                    why = f"the restarted engine failed to start: {e}"
+                    log.error("%s", why)
+                    await client.close()
+                except asyncio.CancelledError:
+                    await client.close()
+                    raise
+            old, self._client = self._client, client
+            assert self._dispatcher is not None
+            self._dispatcher.client = client
+            self._engine_down = None
+            self.num_restarts += 1
+            self.metrics.engine_restarts.inc()
+            log.info("the engine process is back (pid %s)", client.pid)
+            await old.close()
+
+    def _restart_refusal(self) -> str | None:
+        """Why the engine must not be restarted now, or None: restarts are capped at max_restarts
+        within restart_window seconds, so a crash loop ends in 503s instead of spinning."""
+        s = self.settings
+        if not s.restart_on_failure:
+            return "--restart-on-failure is off"
+        while self._restarts and time.monotonic() - self._restarts[0] > s.restart_window:
+            self._restarts.popleft()
+        if len(self._restarts) >= s.max_restarts:
+            return (f"it was restarted {len(self._restarts)} times within {s.restart_window:.0f} s "
+                    f"(--max-restarts {s.max_restarts})")
+        return None
 
     async def drain(self, grace: float) -> bool:
         """Refuse new work; wait up to `grace` s for in-flight requests. True if they all finished."""
@@ -64,6 +127,9 @@ class ServerContext:
     async def close(self) -> None:
         """Abort what is left and stop the engine process."""
         self.phase = Phase.STOPPED
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         if self._client is not None:
             await self._client.close()
 
@@ -82,14 +148,20 @@ class ServerContext:
             return "the server is starting: the model is still loading"
         if self.phase in (Phase.DRAINING, Phase.STOPPED):
             return "the server is shutting down"
+        return self.engine_down()
+
+    def engine_down(self) -> str | None:
+        """Why the engine cannot serve although the server is up (it died), or None."""
+        if self._engine_down is not None:
+            return self._engine_down
         if self._client is not None and self._client.dead:
-            return f"the engine is unavailable: {self._client.dead}"
+            return self._client.dead
         return None
 
     def require_ready(self) -> tuple[ServerTokenizer, Dispatcher]:
         why = self.unavailable()
         if why is not None:
-            raise ApiError(503, why, code="unavailable")
+            raise ApiError(503, why, code="engine_dead" if self.engine_down() else "unavailable")
         assert self._tokenizer is not None and self._dispatcher is not None
         return self._tokenizer, self._dispatcher
 
@@ -97,8 +169,9 @@ class ServerContext:
         """The engine for queries; unlike require_ready this also serves while draining."""
         if self._client is None or not self.info:
             raise ApiError(503, "the server is starting: the model is still loading", code="unavailable")
-        if self._client.dead:
-            raise ApiError(503, f"the engine is unavailable: {self._client.dead}", code="unavailable")
+        why = self.engine_down()
+        if why is not None:
+            raise ApiError(503, why, code="engine_dead")
         return self._client
 
     @property

@@ -44,11 +44,16 @@ class Event:
         return self.error is not None or (self.output is not None and self.output.finished)
 
 
+class SlowConsumer(Exception):
+    """A request's handler left too many outputs unread (its client does not read its stream)."""
+
+
 class Dispatcher:
-    def __init__(self, client: EngineClient, metrics: Metrics, max_queued: int) -> None:
-        self.client = client
+    def __init__(self, client: EngineClient, metrics: Metrics, max_queued: int, max_pending: int) -> None:
+        self.client = client  # replaced when the engine process is restarted
         self.metrics = metrics
         self.max_queued = max_queued
+        self.max_pending = max_pending  # outputs one engine request may have waiting for the handler
         self._active: dict[str, str] = {}  # engine rid -> user rid
 
     @property
@@ -71,16 +76,21 @@ class Dispatcher:
             )
         for j in jobs:
             self._active[j.request.rid] = j.user_rid
+        # The hand-off never blocks the engine's output fan-out: outputs queue here, and a job
+        # whose handler leaves max_pending of them unread is aborted (the others go on).
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(j, arrival, queue)) for j in jobs]
+        pending = [0] * len(jobs)
+        tasks = [asyncio.create_task(self._pump(j, arrival, queue, pending)) for j in jobs]
         try:
-            yield _merged(queue, len(jobs))
+            yield _merged(queue, len(jobs), pending)
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for j in jobs:
-                self._active.pop(j.request.rid, None)
+            try:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:  # also when the handler is cancelled meanwhile (its connection closed)
+                for j in jobs:
+                    self._active.pop(j.request.rid, None)
 
     async def abort(self, user_rid: str | None) -> int:
         """Abort the engine requests of one user rid (None: all); returns how many."""
@@ -89,13 +99,15 @@ class Dispatcher:
             await self.client.abort(rid)
         return len(rids)
 
-    async def _pump(self, job: Job, arrival: float, queue: asyncio.Queue[Event]) -> None:
+    async def _pump(self, job: Job, arrival: float, queue: asyncio.Queue[Event], pending: list[int]) -> None:
         outcome = "abort"
         last = arrival
         first = True
         try:
             async with contextlib.aclosing(self.client.generate(job.request)) as stream:
                 async for out in stream:
+                    if pending[job.index] >= self.max_pending:
+                        raise SlowConsumer()
                     now = time.perf_counter()
                     n = len(out.token_ids_delta)
                     if n:
@@ -109,23 +121,33 @@ class Dispatcher:
                     if out.finished:
                         outcome = ""
                         self.metrics.observe_finished(out.meta, now - arrival)
+                    pending[job.index] += 1
                     queue.put_nowait(Event(job.index, output=out))
+        except SlowConsumer:
+            outcome = "error"
+            self.metrics.slow_client_aborts.labels("pending_outputs").inc()
+            queue.put_nowait(Event(job.index, error=ApiError(
+                408, f"request aborted: its client left {self.max_pending} outputs unread "
+                     "(--max-pending-outputs); read the stream as it arrives", code="client_too_slow")))
         except RequestFailedError as e:
             outcome = "error"
             status = 404 if e.not_found else 400 if e.bad_input else 500
             queue.put_nowait(Event(job.index, error=ApiError(status, str(e), param=None)))
         except EngineDeadError as e:
             outcome = "error"
-            queue.put_nowait(Event(job.index, error=ApiError(503, f"the engine is unavailable: {e}")))
+            queue.put_nowait(Event(job.index, error=ApiError(503, f"the engine is unavailable: {e}",
+                                                             code="engine_dead")))
         finally:
             if outcome:
                 self.metrics.observe_unfinished(outcome)
 
 
-async def _merged(queue: asyncio.Queue[Event], n: int) -> AsyncIterator[Event]:
+async def _merged(queue: asyncio.Queue[Event], n: int, pending: list[int]) -> AsyncIterator[Event]:
     remaining = n
     while remaining:
         ev = await queue.get()
+        if ev.output is not None:
+            pending[ev.index] -= 1
         if ev.last:
             remaining -= 1
         yield ev

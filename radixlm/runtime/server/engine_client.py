@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import multiprocessing
 import os
+import signal
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +20,7 @@ from radixlm.runtime.server.engine_process import run_engine_process
 from radixlm.runtime.server.messages import (
     AbortRequest,
     AddRequest,
+    Crashed,
     Query,
     Ready,
     Reply,
@@ -56,34 +58,40 @@ class EngineClient:
         self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._tokens = itertools.count()
         self._reader: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.Task[None] | None = None
+        self._exited: asyncio.Future[str] | None = None  # resolves with why, once the process has exited
+        self._crash: str | None = None  # the exception the engine reported before it exited
+        self._reaper: asyncio.Task[None] | None = None
+        self._closing = False
         self.info: dict[str, Any] = {}
         self.dead: str | None = None  # why the engine is unavailable, once it is
 
     async def start(self, timeout: float = 600.0) -> dict[str, Any]:
         """Spawn the engine process and wait until it has loaded and warmed up the model."""
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
         self._proc.start()
-        try:
-            msg = await asyncio.wait_for(self._recv_ready(), timeout)
-        except asyncio.TimeoutError:
+        # The sentinel becomes readable when the process exits, however it exits (SIGKILL included).
+        loop.add_reader(self._proc.sentinel, self._on_sentinel)
+        ready = asyncio.ensure_future(self._recv_ready())
+        await asyncio.wait({ready, self._exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            if self._exited.done():
+                raise RuntimeError(f"{self._exited.result()} while starting")
             self._proc.kill()
-            raise RuntimeError(f"the engine did not become ready within {timeout:.0f} s") from None
+            raise RuntimeError(f"the engine did not become ready within {timeout:.0f} s")
+        msg = ready.result()
         if "error" in msg.info:
             raise RuntimeError(f"the engine failed to start: {msg.info['error']}\n{msg.info.get('traceback', '')}")
         self.info = msg.info
         self._reader = asyncio.create_task(self._read_loop())
-        self._watchdog = asyncio.create_task(self._watch())
         return self.info
 
     async def _recv_ready(self) -> Ready:
         while True:
-            if await self._from_engine.poll(500):
-                msg = self._from_engine.recv_pyobj()
-                msg = await msg if asyncio.isfuture(msg) else msg
-                if isinstance(msg, Ready):
-                    return msg
-            elif not self._proc.is_alive():
-                raise RuntimeError(f"the engine process exited with code {self._proc.exitcode} while starting")
+            msg = await self._from_engine.recv_pyobj()
+            if isinstance(msg, Ready):
+                return msg
 
     @property
     def pid(self) -> int | None:
@@ -93,6 +101,11 @@ class EngineClient:
     @property
     def num_active(self) -> int:
         return len(self._queues)
+
+    async def wait_exit(self) -> str:
+        """Wait until the engine process has exited; returns why (exit code or signal, and its error)."""
+        assert self._exited is not None, "start() first"
+        return await asyncio.shield(self._exited)
 
     async def generate(self, req: AddRequest) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts the request."""
@@ -133,29 +146,49 @@ class EngineClient:
 
     async def _read_loop(self) -> None:
         while True:
-            msg = await self._from_engine.recv_pyobj()
-            if isinstance(msg, StepOutputs):
-                for out in msg.outputs:
-                    q = self._queues.get(out.rid)
-                    if q is not None:
-                        q.put_nowait(out)
-            elif isinstance(msg, RequestFailed):
-                q = self._queues.get(msg.rid)
-                if q is not None:
-                    q.put_nowait(RequestFailedError(msg.message, msg.bad_input, msg.not_found))
-            elif isinstance(msg, Reply):
-                fut = self._replies.get(msg.token)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.payload)
+            self._dispatch(await self._from_engine.recv_pyobj())
 
-    async def _watch(self) -> None:
-        """Notice a dead engine process: fail everything in flight instead of hanging."""
-        while self._proc.is_alive():
-            await asyncio.sleep(0.2)
-        self._mark_dead(f"the engine process exited (code {self._proc.exitcode})")
+    def _dispatch(self, msg: Any) -> None:
+        """Hand one engine message to whoever waits for it; never blocks (queues are unbounded here,
+        the dispatcher bounds what each request may leave unread)."""
+        if isinstance(msg, StepOutputs):
+            for out in msg.outputs:
+                q = self._queues.get(out.rid)
+                if q is not None:
+                    q.put_nowait(out)
+        elif isinstance(msg, RequestFailed):
+            q = self._queues.get(msg.rid)
+            if q is not None:
+                q.put_nowait(RequestFailedError(msg.message, msg.bad_input, msg.not_found))
+        elif isinstance(msg, Reply):
+            fut = self._replies.get(msg.token)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.payload)
+        elif isinstance(msg, Crashed):
+            self._crash = msg.error
+
+    def _on_sentinel(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        self._reaper = asyncio.create_task(self._on_exit())
+
+    async def _on_exit(self) -> None:
+        """The process has exited: read what it sent last, then fail everything in flight."""
+        await asyncio.to_thread(self._proc.join)  # reaps it: exitcode is known after this
+        if self._reader is not None:
+            self._reader.cancel()
+        while True:  # outputs and the crash report it sent before exiting
+            try:
+                self._dispatch(await self._from_engine.recv_pyobj(zmq.NOBLOCK))
+            except zmq.ZMQError:  # zmq.Again: nothing left (or the sockets are closed already)
+                break
+        why = "the server is shutting down" if self._closing else describe_exit(self._proc.exitcode, self._crash)
+        self._mark_dead(why)
+        if self._exited is not None and not self._exited.done():
+            self._exited.set_result(why)
 
     def _mark_dead(self, why: str) -> None:
-        self.dead = why
+        if self.dead is None:
+            self.dead = why
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(why))
         for fut in self._replies.values():
@@ -164,16 +197,19 @@ class EngineClient:
 
     async def close(self, grace: float = 10.0) -> None:
         """Abort what is in flight, stop the engine process, release the sockets."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        if self._proc.is_alive() and not self.dead:
+        self._closing = True
+        if self._proc.is_alive() and not self.dead and self.info:
             await self._to_engine.send_pyobj(Shutdown())
             deadline = asyncio.get_running_loop().time() + grace
             while self._proc.is_alive() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._proc.join(timeout=5)
+        if self._proc.pid is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            if self._exited is not None and not self._exited.done():
+                asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+                await asyncio.to_thread(self._proc.join, 5)
+                self._exited.set_result("the server is shutting down")
         if self._reader is not None:
             self._reader.cancel()
         self._mark_dead("the server is shutting down")
@@ -184,3 +220,15 @@ class EngineClient:
             except FileNotFoundError:
                 pass
         os.rmdir(self._dir)
+
+
+def describe_exit(code: int | None, crash: str | None) -> str:
+    """'the engine process died (killed by SIGKILL)', with the exception it reported, if any."""
+    if code is not None and code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exit code {code}"
+    return f"the engine process died ({how})" + (f": {crash}" if crash else "")

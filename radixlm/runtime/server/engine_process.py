@@ -19,6 +19,7 @@ from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.messages import (
     AbortRequest,
     AddRequest,
+    Crashed,
     Query,
     Ready,
     Reply,
@@ -29,6 +30,7 @@ from radixlm.runtime.server.messages import (
 from radixlm.runtime.sessions import SessionError, SessionNotFoundError
 
 PARENT_CHECK_MS = 1000  # while idle, how often the engine checks that the server process still exists
+CRASH_LINGER_MS = 2000  # how long a crashing engine waits for its last message to reach the server
 
 
 def engine_stats(core: EngineCore) -> dict[str, Any]:
@@ -65,6 +67,17 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> Non
         outbox.send_pyobj(Ready({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
         return
     outbox.send_pyobj(Ready(core.info()))
+    try:
+        _serve(core, inbox, outbox)
+    except Exception as e:
+        # Tell the server why before dying; it notices the exit itself (the process sentinel).
+        outbox.send_pyobj(Crashed(f"{type(e).__name__}: {e}"))
+        ctx.destroy(linger=CRASH_LINGER_MS)
+        raise  # the traceback goes to stderr (the server's log) and the exit code is 1
+
+
+def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    """Handle messages and step while there is work; returns on Shutdown or when the server is gone."""
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     parent = os.getppid()

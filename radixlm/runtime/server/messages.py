@@ -61,6 +61,13 @@ class RequestFailed:
 
 
 @dataclass(frozen=True)
+class Crashed:
+    """An exception escaped the engine loop; the process exits (code 1) right after sending it."""
+
+    error: str
+
+
+@dataclass(frozen=True)
 class Reply:
     token: int
     payload: dict[str, Any] = field(default_factory=dict)

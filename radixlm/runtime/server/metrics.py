@@ -47,6 +47,12 @@ class Metrics:
         self.retractions = Gauge("radixlm_retractions", "Requests retracted since start (decode out of KV).",
                                  registry=r)
         self.engine_up = Gauge("radixlm_engine_up", "1 while the engine process serves requests.", registry=r)
+        self.engine_crashes = Counter("radixlm_engine_crashes", "Times the engine process died.", registry=r)
+        self.engine_restarts = Counter("radixlm_engine_restarts",
+                                       "Times a fresh engine process was started after a crash.", registry=r)
+        self.slow_client_aborts = Counter("radixlm_slow_client_aborts",
+                                          "Requests aborted because their client did not read its stream: "
+                                          "write_timeout or pending_outputs.", ["reason"], registry=r)
         self.sessions_open = Gauge("radixlm_sessions_open", "Open multi-turn sessions.", registry=r)
         self.session_pinned = Gauge("radixlm_session_pinned_tokens",
                                     "KV tokens pinned by sessions between turns (summed per session).", registry=r)

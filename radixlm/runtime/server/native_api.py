@@ -265,7 +265,7 @@ async def health(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     why = ctx.unavailable()
     if why is not None:
-        raise ApiError(503, why, code="unavailable")
+        raise ApiError(503, why, code="engine_dead" if ctx.engine_down() else "unavailable")
     return json_response({"status": "ok"})
 
 
@@ -329,6 +329,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "engine_config": dataclasses.asdict(ctx.engine_config),
         "engine": ctx.info,
         "engine_pid": client.pid,
+        "engine_restarts": ctx.num_restarts,
         "stats": stats,
         "requests_in_flight": ctx.dispatcher.num_active if ctx.dispatcher else 0,
         "http_handlers_in_flight": ctx.num_busy,

@@ -1,7 +1,14 @@
-"""Server-sent events: `data: {json}` frames and the closing `data: [DONE]`."""
+"""Server-sent events: `data: {json}` frames and the closing `data: [DONE]`.
+
+A stream whose client stops reading is cut off: each write may wait at most
+`stream_write_timeout` seconds for the client to take bytes (aiohttp waits for the socket to
+drain once its buffer passes 64 KiB, so a connection holds at most about that much); past it
+the handler ends (its engine requests are aborted) and the connection is closed.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -9,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from radixlm.runtime.server.context import CONTEXT
 from radixlm.runtime.server.errors import error_body
 from radixlm.runtime.server.payload import dumps
 
@@ -19,12 +27,48 @@ class ClientGone(Exception):
     """The client closed the connection while we were writing to it."""
 
 
+class ClientTooSlow(ClientGone):
+    """The client did not read for stream_write_timeout seconds; the connection will be closed."""
+
+
+class EventStreamResponse(web.StreamResponse):
+    """A streaming response whose writes give up after `write_timeout` s without progress."""
+
+    def __init__(self, request: web.Request, write_timeout: float) -> None:
+        super().__init__(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                              "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._request = request
+        self._write_timeout = write_timeout
+        self.stalled = False
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.stalled:
+            raise ClientTooSlow("the client stopped reading")
+        try:
+            async with asyncio.timeout(self._write_timeout):
+                await super().write(data)
+        except TimeoutError:
+            self.stalled = True
+            self.force_close()
+            raise ClientTooSlow(f"the client read nothing for {self._write_timeout:g} s") from None
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        """Called by aiohttp after the handler (its engine requests are aborted by then): a stalled
+        stream's connection is dropped with its unsent bytes, instead of waiting for it to drain."""
+        if not self.stalled:
+            try:
+                async with asyncio.timeout(self._write_timeout):
+                    await super().write_eof(data)
+                return
+            except TimeoutError:
+                self.stalled = True
+        transport = self._request.transport
+        if transport is not None:
+            transport.abort()
+
+
 async def open_stream(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        status=200,
-        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                 "X-Accel-Buffering": "no"},
-    )
+    resp = EventStreamResponse(request, request.app[CONTEXT].settings.stream_write_timeout)
     await resp.prepare(request)
     return resp
 
@@ -38,6 +82,9 @@ async def event_stream(request: web.Request) -> AsyncIterator[web.StreamResponse
     try:
         yield resp
         await send_done(resp)
+    except ClientTooSlow as e:
+        log.warning("aborting a stream to %s: %s", request.remote, e)
+        request.app[CONTEXT].metrics.slow_client_aborts.labels("write_timeout").inc()
     except ClientGone:
         pass
     except Exception as e:  # noqa: BLE001 - headers are sent: the error can only go in the stream
