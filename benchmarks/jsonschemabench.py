@@ -180,7 +180,7 @@ def random_walk(matcher: Any, decoded: list[bytes], stop: int, rng: np.random.Ge
             allowed = _allowed(row, len(decoded))
         else:
             allowed = np.flatnonzero(structural >= 0)
-        if stop in allowed and rng.random() < 0.5:
+        if stop in allowed and (len(allowed) == 1 or rng.random() < 0.5):
             assert matcher.accept(stop)
             return out.decode("utf-8", errors="replace")
         allowed = allowed[allowed != stop]

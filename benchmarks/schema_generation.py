@@ -39,16 +39,23 @@ def sample_schemas(n: int, seed: int = 0, data: Path = DATA) -> list[tuple[str, 
     return picked
 
 
-def check(schema: dict[str, Any], out: dict[str, Any]) -> str:
-    """'valid', 'invalid' (a finished output that fails the schema) or 'length' (cut short)."""
+def check(schema: dict[str, Any], out: dict[str, Any]) -> tuple[str, str]:
+    """(verdict, why): 'valid', 'invalid' (a finished output that fails the schema, why = the
+    validator's message), 'length' (cut short) or 'schema error' (the schema fails its own
+    metaschema, so there is nothing to validate against)."""
     reason = out["meta_info"]["finish_reason"]["type"]
     if reason == "length":
-        return "length"
+        return "length", ""
+    cls = jsonschema.validators.validator_for(schema)
     try:
-        jsonschema.validate(json.loads(out["text"]), schema)
-    except (json.JSONDecodeError, jsonschema.ValidationError, jsonschema.SchemaError):
-        return "invalid"
-    return "valid"
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        return "schema error", e.message
+    try:
+        error = jsonschema.exceptions.best_match(cls(schema).iter_errors(json.loads(out["text"])))
+    except json.JSONDecodeError as e:
+        return "invalid", f"not JSON: {e}"
+    return ("invalid", error.message) if error is not None else ("valid", "")
 
 
 def run(engine: Engine, schemas: list[tuple[str, dict[str, Any]]], max_new: int) -> dict[str, Any]:
@@ -62,17 +69,18 @@ def run(engine: Engine, schemas: list[tuple[str, dict[str, Any]]], max_new: int)
             compiled.append((name, schema))
         except ValueError as e:
             counts["greedy"]["not compiled"] += 1
-            failures.append({"schema": name, "error": str(e)[:200]})
+            failures.append({"schema": name, "error": str(e)})
     for mode, extra in modes.items():
         chats = [[{"role": "user", "content": f"Produce one JSON instance of this schema:\n{json.dumps(s)[:1500]}"}]
                  for _, s in compiled]
         params = [{"max_new_tokens": max_new, "json_schema": s, **extra} for _, s in compiled]
         outs = engine.generate(chats, params)
         for (name, schema), out in zip(compiled, outs):
-            verdict = check(schema, out)
+            verdict, why = check(schema, out)
             counts[mode][verdict] += 1
-            if verdict == "invalid":
-                failures.append({"schema": name, "mode": mode, "text": out["text"][:300]})
+            if verdict in ("invalid", "schema error"):  # the whole text: a cut copy misleads
+                failures.append({"schema": name, "mode": mode, "verdict": verdict, "error": why,
+                                 "finish_reason": out["meta_info"]["finish_reason"], "text": out["text"]})
     return {"counts": {m: dict(c) for m, c in counts.items()}, "compiled": len(compiled), "failures": failures}
 
 

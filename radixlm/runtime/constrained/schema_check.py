@@ -36,6 +36,13 @@ class UnsupportedSchema(ValueError):
     """A schema construct the grammar engine cannot enforce exactly."""
 
 
+class _Unsatisfiable(UnsupportedSchema):
+    """No value is valid under this (sub)schema."""
+
+
+MAX_REWRITES = 256  # merges of one schema (a $ref that refers to itself with siblings loops)
+
+
 STRING_KEYWORDS = ("minLength", "maxLength", "pattern")
 NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 ARRAY_KEYWORDS = ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "contains",
@@ -76,7 +83,10 @@ def prepare_json_schema(schema: Any) -> Any:
     """The schema to compile for ``schema`` (a copy, maybe narrowed), or UnsupportedSchema."""
     if not isinstance(schema, dict):
         return schema
-    return _Checker(copy.deepcopy(schema)).run()
+    try:
+        return _Checker(copy.deepcopy(schema)).run()
+    except RecursionError:
+        raise UnsupportedSchema("the schema nests too deeply to check") from None
 
 
 def _types(node: dict[str, Any]) -> set[str] | None:
@@ -163,18 +173,135 @@ def _anchor_in_middle(pattern: str) -> bool:
     return False
 
 
+def _search(pattern: str, text: str) -> bool:
+    try:
+        return re.search(pattern, text) is not None
+    except re.error:
+        return True  # unknown: assume it matches
+
+
+class _Unmergeable(Exception):
+    pass
+
+
+_MIN_KEYS = ("minLength", "minItems", "minProperties", "minimum", "minContains")
+_MAX_KEYS = ("maxLength", "maxItems", "maxProperties", "maximum", "maxContains")
+
+
+def _merge(a: Any, b: Any, deref: Any) -> Any:
+    """A schema accepting exactly what both ``a`` and ``b`` accept (allOf), for the common
+    cases; raises _Unmergeable otherwise. ``deref`` follows a bare ``$ref``."""
+    a, b = deref(a), deref(b)
+    if a is True or a == {}:
+        return copy.deepcopy(b)
+    if b is True or b == {}:
+        return copy.deepcopy(a)
+    if a is False or b is False:
+        return False
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        raise _Unmergeable("a subschema is not an object")
+    if "$ref" in a or "$ref" in b:  # a $ref with keywords beside it: their intersection
+        side, other = (a, b) if "$ref" in a else (b, a)
+        target = deref({"$ref": side["$ref"]})
+        if isinstance(target, dict) and "$ref" in target:
+            raise _Unmergeable(f"unresolved $ref {side['$ref']!r}")
+        rest = {k: v for k, v in side.items() if k != "$ref"}
+        return _merge(_merge(rest, target, deref), other, deref)
+    if "allOf" in a or "allOf" in b:
+        inner_a = [{k: v for k, v in a.items() if k != "allOf"}, *a.get("allOf", [])]
+        inner_b = [{k: v for k, v in b.items() if k != "allOf"}, *b.get("allOf", [])]
+        out: Any = True
+        for part in (*inner_a, *inner_b):
+            out = _merge(out, part, deref)
+        return out
+    comb_a = [c for c in ("anyOf", "oneOf") if c in a]
+    comb_b = [c for c in ("anyOf", "oneOf") if c in b]
+    if comb_a and comb_b:
+        raise _Unmergeable("combinators on both sides")
+    if comb_a or comb_b:  # allOf(x, anyOf(B)) == anyOf(allOf(x, B_i)); the same for oneOf
+        outer, inner = (a, b) if comb_b else (b, a)
+        kind = (comb_a or comb_b)[0]
+        rest = {k: v for k, v in inner.items() if k != kind}
+        branches = [_merge(outer, _merge(rest, br, deref), deref) for br in inner[kind]]
+        return {kind: branches}
+    out = copy.deepcopy(a)
+    for key, bv in b.items():
+        if key not in out:
+            out[key] = copy.deepcopy(bv)
+            continue
+        av = out[key]
+        if av == bv or key not in ASSERTIONS:
+            continue
+        if key == "type":
+            ta = {av} if isinstance(av, str) else set(av)
+            tb = {bv} if isinstance(bv, str) else set(bv)
+            both = (ta & tb) | ({"integer"} if ("integer" in ta and "number" in tb)
+                                or ("number" in ta and "integer" in tb) else set())
+            if not both:
+                return False
+            out[key] = sorted(both) if len(both) > 1 else next(iter(both))
+        elif key == "required":
+            out[key] = list(dict.fromkeys([*av, *bv]))
+        elif key in ("enum", "const"):
+            keys = {_canon(v) for v in (bv if key == "enum" else [bv])}
+            kept = [v for v in (av if key == "enum" else [av]) if _canon(v) in keys]
+            if not kept:
+                return False
+            out[key] = kept if key == "enum" else kept[0]
+        elif key in _MIN_KEYS and not isinstance(av, bool) and not isinstance(bv, bool):
+            out[key] = max(av, bv)
+        elif key in _MAX_KEYS and not isinstance(av, bool) and not isinstance(bv, bool):
+            out[key] = min(av, bv)
+        elif key == "properties":
+            merged = dict(av)
+            for name, sub in bv.items():
+                merged[name] = _merge(av[name], sub, deref) if name in av else sub
+            out[key] = merged
+        elif key == "items" and isinstance(av, dict) and isinstance(bv, dict):
+            out[key] = _merge(av, bv, deref)
+        else:
+            raise _Unmergeable(f"both give {key!r}")
+    if "enum" in out and "const" in out:
+        if _canon(out["const"]) not in {_canon(v) for v in out["enum"]}:
+            return False
+        del out["enum"]
+    # additionalProperties / items are relative to their side's properties / prefixItems
+    for side, other in ((a, b), (b, a)):
+        extra = side.get("additionalProperties")
+        if extra is not None and extra is not True:
+            if side.get("patternProperties") or other.get("patternProperties"):
+                raise _Unmergeable("additionalProperties next to patternProperties")
+            own = side.get("properties") or {}
+            for name in list((other.get("properties") or {})):
+                if name in own:
+                    continue
+                if extra is False:
+                    if name in (out.get("required") or []):
+                        return False
+                    del out["properties"][name]  # forbidden by this side; never generated
+                else:
+                    out["properties"][name] = _merge(out["properties"][name], extra, deref)
+        if "prefixItems" in side and "items" in other and "prefixItems" not in other:
+            raise _Unmergeable("items next to prefixItems")
+    return out
+
+
 class _Checker:
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
         self.original = copy.deepcopy(root)  # refs of a schema "as written" resolve here
         self.legacy_ref = bool(_LEGACY_DRAFT.search(str(root.get("$schema", ""))))
         self.seen_refs: set[str] = set()
+        self.rewrites = 0
 
     def run(self) -> Any:
         return self.node(self.root, "")
 
     def fail(self, path: str, what: str) -> UnsupportedSchema:
         return UnsupportedSchema(f"{what} (at {path or '/'})")
+
+    def unsat(self, path: str, what: str) -> UnsupportedSchema:
+        return _Unsatisfiable(f"{what}: no value is valid (at {path or '/'})")
 
     def resolve(self, ref: Any, root: Any) -> tuple[Any, str] | None:
         """The node a local ``$ref`` points at, or None for a ref xgrammar resolves itself."""
@@ -191,10 +318,13 @@ class _Checker:
                 return None
         return node, ref[1:]
 
-    def deref(self, node: Any, root: Any) -> Any:
-        """Follow ``$ref`` chains (without siblings) to the schema they name."""
+    def deref(self, node: Any, root: Any, strict: bool = False) -> Any:
+        """Follow ``$ref`` chains to the schema they name; ``strict``: only a ``$ref`` with no
+        other assertion beside it (else siblings are ignored, which widens the schema)."""
         for _ in range(32):
             if not (isinstance(node, dict) and "$ref" in node):
+                return node
+            if strict and not self.legacy_ref and ASSERTIONS.intersection(node) != {"$ref"}:
                 return node
             hit = self.resolve(node["$ref"], root)
             if hit is None:
@@ -214,8 +344,13 @@ class _Checker:
         if "$ref" in node:
             others = sorted(assertions - {"$ref"})
             if others and not self.legacy_ref:
-                raise self.fail(path, f"'$ref' next to {', '.join(others)} is not supported: the grammar "
-                                      "engine ignores keywords beside a $ref; move them into the referenced schema")
+                # xgrammar ignores keywords beside a $ref: inline the target, intersected with them
+                siblings = {k: v for k, v in node.items() if k != "$ref"}
+                target = self.deref({"$ref": node["$ref"]}, self.root, strict=True)
+                merged = self.merged(path, f"'$ref' next to {', '.join(others)}", [siblings, target])
+                node.clear()
+                node.update(merged)
+                return self.node(node, path)
             hit = self.resolve(node["$ref"], self.root)
             if hit is not None and hit[1] not in self.seen_refs:
                 self.seen_refs.add(hit[1])
@@ -247,18 +382,42 @@ class _Checker:
             self.array(node, path)
         return node
 
+    def merged(self, path: str, what: str, parts: list[Any]) -> dict[str, Any]:
+        """The intersection of ``parts`` as one schema, or UnsupportedSchema naming ``what``."""
+        self.rewrites += 1
+        if self.rewrites > MAX_REWRITES:
+            raise self.fail(path, f"{what} is not supported here: merging it does not end (a recursive $ref?)")
+        try:
+            out: Any = True
+            for part in parts:
+                out = _merge(out, part, lambda n: self.deref(n, self.root, strict=True))
+        except _Unmergeable as e:
+            raise self.fail(path, f"{what} is not supported: the grammar engine compiles them apart, and "
+                                  f"they could not be merged into one schema ({e})") from None
+        if out is False:
+            raise self.unsat(path, what)
+        return out if isinstance(out, dict) else {}
+
     def combinator(self, node: dict[str, Any], path: str, combinators: list[str], assertions: set[str]) -> dict[str, Any]:
         kind = combinators[0]
         others = sorted(assertions - {kind})
-        if others:
-            raise self.fail(path, f"{kind!r} next to {', '.join(others)} is not supported: the grammar engine "
-                                  f"compiles the {kind} branches alone; move those keywords into each branch")
         branches = node[kind]
         if not isinstance(branches, list) or not branches:
             return node  # malformed: xgrammar reports it
-        if kind == "allOf" and len(branches) > 1:
-            raise self.fail(path, "'allOf' with several subschemas is not supported: the grammar engine "
-                                  "does not intersect them; merge them into one schema")
+        if kind == "allOf" or others:
+            # xgrammar compiles a combinator's branches alone (siblings dropped) and keeps only the
+            # first of several allOf subschemas: rewrite to an equivalent schema it handles.
+            siblings = {k: v for k, v in node.items() if k != kind}
+            if kind == "allOf":
+                what = f"'allOf' next to {', '.join(others)}" if others else "'allOf' with several subschemas"
+                merged = self.merged(path, what, [siblings, *branches])
+            else:
+                what = f"{kind!r} next to {', '.join(others)}"
+                merged = {kind: [self.merged(path, what, [siblings, b]) for b in branches]}
+                merged.update({k: v for k, v in siblings.items() if k not in ASSERTIONS})
+            node.clear()
+            node.update(merged)
+            return self.node(node, path)
         originals = copy.deepcopy(branches)
         node[kind] = [self.node(b, f"{path}/{kind}/{i}") for i, b in enumerate(branches)]
         if kind == "oneOf":
@@ -281,7 +440,7 @@ class _Checker:
             values = [node["const"]]
             if "enum" in node and isinstance(node["enum"], list):
                 if _canon(node["const"]) not in {_canon(v) for v in node["enum"]}:
-                    raise self.fail(path, "'const' is not one of the 'enum' values: no value is valid")
+                    raise self.unsat(path, "'const' is not one of the 'enum' values")
                 del node["enum"]
         elif isinstance(node["enum"], list):
             values = node["enum"]
@@ -291,7 +450,7 @@ class _Checker:
         if types is not None:
             kept = [v for v in values if _overlap(_value_types(v), types)]
             if not kept:
-                raise self.fail(path, "no 'enum'/'const' value matches 'type': no value is valid")
+                raise self.unsat(path, "no 'enum'/'const' value matches 'type'")
             if len(kept) < len(values):
                 if "const" in node:
                     node["const"] = kept[0]
@@ -342,16 +501,21 @@ class _Checker:
             # "name": false only forbids the key; strict generation never writes unnamed keys
             for name in [k for k, v in props.items() if v is False]:
                 if isinstance(required, list) and name in required:
-                    raise self.fail(path, f"required property {name!r} has the schema false: no value is valid")
+                    raise self.unsat(path, f"required property {name!r} has the schema false")
                 del props[name]
             if isinstance(pattern_props, dict):
                 for pat in [k for k, v in pattern_props.items() if v is False]:
                     del pattern_props[pat]
         if isinstance(required, list):
-            missing = [r for r in required if r not in props]
-            if missing:
-                raise self.fail(path, f"required property {missing[0]!r} is not listed in 'properties': the grammar "
-                                      "engine never generates it; add it to 'properties'")
+            for name in [r for r in required if isinstance(r, str) and r not in props]:
+                if additional is False:
+                    raise self.unsat(path, f"required property {name!r} is not allowed (additionalProperties is false)")
+                if isinstance(pattern_props, dict) and any(_search(p, name) for p in pattern_props):
+                    raise self.fail(path, f"required property {name!r} is not listed in 'properties': the grammar "
+                                          "engine never generates it; add it to 'properties'")
+                # the validator checks it against additionalProperties (or nothing): name it so
+                props[name] = additional if isinstance(additional, dict) else {}
+                node["properties"] = props
         if isinstance(pattern_props, dict) and pattern_props:
             if open_additional:
                 raise self.fail(path, "'patternProperties' together with 'additionalProperties' is not supported: "
@@ -359,11 +523,7 @@ class _Checker:
             for pat in pattern_props:
                 self.pattern(pat, f"{path}/patternProperties")
                 for name in props:
-                    try:
-                        hit = re.search(pat, name)
-                    except re.error:
-                        hit = None
-                    if hit:
+                    if _search(pat, name):
                         raise self.fail(path, f"property {name!r} also matches patternProperties {pat!r}: its value "
                                               "must pass both schemas, which the grammar engine does not intersect")
         n_required = len(set(required)) if isinstance(required, list) else 0
@@ -372,8 +532,13 @@ class _Checker:
             raise self.fail(path, "'minProperties' beyond the required properties together with "
                                   "additionalProperties/patternProperties is not supported: a repeated key counts "
                                   "twice for the grammar but once for the validator")
-        for name, sub in props.items():
-            props[name] = self.node(sub, f"{path}/properties/{name}")
+        for name, sub in list(props.items()):
+            try:
+                props[name] = self.node(sub, f"{path}/properties/{name}")
+            except _Unsatisfiable:
+                if open_additional or (isinstance(required, list) and name in required):
+                    raise
+                del props[name]  # an optional property no value fits: never generate it
         if isinstance(pattern_props, dict):
             for pat, sub in pattern_props.items():
                 pattern_props[pat] = self.node(sub, f"{path}/patternProperties/{pat}")
