@@ -107,13 +107,23 @@ class ConstraintConfig:
     json_whitespace: str = "compact"
     grammar_compile_workers: int = 2
     grammar_cache_size: int = 1024
+    # A compile past this many seconds fails its request (400); the spec is remembered as failed.
+    grammar_compile_timeout: float = 30.0
+    # Size limits checked before compiling (radixlm.runtime.constrained.limits.SpecLimits).
+    grammar_max_bytes: int = 131_072
+    grammar_max_nesting: int = 128
+    grammar_max_enum: int = 4096
+    grammar_max_repeat: int = 1_000_000
 
     def __post_init__(self) -> None:
         if self.json_whitespace not in JSON_WHITESPACE:
             raise ValueError(f"json_whitespace must be one of {JSON_WHITESPACE}, got {self.json_whitespace!r}")
-        for name in ("grammar_compile_workers", "grammar_cache_size"):
+        for name in ("grammar_compile_workers", "grammar_cache_size", "grammar_max_bytes", "grammar_max_nesting",
+                     "grammar_max_enum", "grammar_max_repeat"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
+from radixlm.runtime.constrained.limits import SpecLimits, check_spec
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema, prepare_json_schema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
@@ -55,6 +56,7 @@ class GrammarConfig:
     json_any_order: bool = False
     cache_size: int = 1024
     compile_threads: int = 1
+    limits: SpecLimits = SpecLimits()  # checked before compiling (radixlm.runtime.constrained.limits)
 
     def __post_init__(self) -> None:
         if len(self.json_separators) != 2:
@@ -119,6 +121,9 @@ def choices_to_ebnf(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
 
 
+_TOO_DEEP = "json_schema is too large: it nests too deeply to read (objects and arrays inside one another)"
+
+
 def normalize_spec(kind: str, spec: Any) -> tuple[Hashable, Any]:
     """Validate a user constraint; return (cache key, normalized spec).
 
@@ -135,6 +140,8 @@ def normalize_spec(kind: str, spec: Any) -> tuple[Hashable, Any]:
                 schema = json.loads(spec)
             except json.JSONDecodeError as e:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError(_TOO_DEEP) from None
         elif isinstance(spec, dict):
             schema = spec
         else:
@@ -148,6 +155,8 @@ def normalize_spec(kind: str, spec: Any) -> tuple[Hashable, Any]:
             text = _json_dumps(schema)
         except (TypeError, ValueError) as e:
             raise ValueError(f"json_schema is not JSON-serializable: {e}") from None
+        except RecursionError:
+            raise ValueError(_TOO_DEEP) from None
         return (kind, text), text
     if kind in ("regex", "ebnf"):
         if not isinstance(spec, str):
@@ -283,6 +292,19 @@ class XGrammarGrammar:
         return XGrammarMatcher(self._xgr.GrammarMatcher(self._compiled), self.vocab_size, self._ban)
 
 
+@dataclass(frozen=True)
+class CompileFailure:
+    """A cached compile error."""
+
+    message: str
+
+
+def _grammar_or_raise(result: Grammar | CompileFailure) -> Grammar:
+    if isinstance(result, CompileFailure):
+        raise ValueError(result.message)
+    return result
+
+
 class CachedGrammarBackend:
     """Base of the grammar backends: validates specs and keeps an LRU cache of compiled
     grammars keyed by (kind, spec). Thread-safe; subclasses implement ``_compile_uncached``."""
@@ -292,7 +314,7 @@ class CachedGrammarBackend:
     def __init__(self, vocab: TokenizerVocab, config: GrammarConfig | None = None) -> None:
         self.vocab = vocab
         self.config = config or GrammarConfig()
-        self._cache: OrderedDict[Hashable, Grammar] = OrderedDict()
+        self._cache: OrderedDict[Hashable, Grammar | CompileFailure] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -302,21 +324,34 @@ class CachedGrammarBackend:
     def compile(self, kind: str, spec: Any) -> Grammar:
         """Compile (or fetch from the cache) the grammar for ``(kind, spec)``.
 
-        Raises ValueError naming what is wrong or unsupported."""
+        Raises ValueError naming what is wrong or unsupported. A failed compile is cached too:
+        the same spec fails again at once, with the same message."""
         key, norm = normalize_spec(kind, spec)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
+                return _grammar_or_raise(hit)
+        check_spec(kind, norm, self.config.limits)
         # Compiled outside the lock: two threads may compile one key; the first one kept wins.
-        grammar = self._compile_uncached(kind, norm)
+        try:
+            result: Grammar | CompileFailure = self._compile_uncached(kind, norm)
+        except ValueError as e:
+            result = CompileFailure(str(e))
+        return _grammar_or_raise(self._keep(key, result))
+
+    def remember_failure(self, kind: str, spec: Any, message: str) -> None:
+        """Cache ``message`` as the outcome of compiling ``(kind, spec)`` (a compile that ran
+        past its time limit), unless a result is cached already."""
+        self._keep(normalize_spec(kind, spec)[0], CompileFailure(message))
+
+    def _keep(self, key: Hashable, result: Grammar | CompileFailure) -> Grammar | CompileFailure:
         with self._lock:
-            grammar = self._cache.setdefault(key, grammar)
+            result = self._cache.setdefault(key, result)
             self._cache.move_to_end(key)
             while len(self._cache) > self.config.cache_size:
                 self._cache.popitem(last=False)
-        return grammar
+        return result
 
     def _compile_uncached(self, kind: str, norm: Any) -> Grammar:
         raise NotImplementedError

@@ -2,23 +2,28 @@
 
 It owns the tokenizer description, the grammar backend (with its compiled-grammar cache), a
 small thread pool that compiles new constraints off the step loop (the engine keeps stepping
-other requests meanwhile), and the jump-forward planner. Pure Python: no torch.
+other requests meanwhile) within a time limit, and the jump-forward planner. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from radixlm.runtime.config import ConstraintConfig
+from radixlm.runtime.constrained.compile_pool import CompilePool
 from radixlm.runtime.constrained.grammar import GRAMMAR_BACKENDS, Grammar, GrammarConfig, normalize_spec
 from radixlm.runtime.constrained.jump_forward import JumpForward
+from radixlm.runtime.constrained.limits import SpecLimits, check_spec
 from radixlm.runtime.constrained.tokenizer_info import build_tokenizer_vocab
 
 __all__ = ["ERROR_PREFIX", "GrammarService", "grammar_config"]
 
 ERROR_PREFIX = "constrained decoding:"
+
+log = logging.getLogger(__name__)
 
 _SEPARATORS = {"compact": (",", ":"), "spaced": (", ", ": "), "any": (",", ":")}
 
@@ -29,6 +34,8 @@ def grammar_config(config: ConstraintConfig) -> GrammarConfig:
         json_separators=_SEPARATORS[config.json_whitespace],
         json_any_whitespace=config.json_whitespace == "any",
         cache_size=config.grammar_cache_size,
+        limits=SpecLimits(config.grammar_max_bytes, config.grammar_max_nesting, config.grammar_max_enum,
+                          config.grammar_max_repeat),
     )
 
 
@@ -42,14 +49,16 @@ class GrammarService:
         self.vocab = build_tokenizer_vocab(tokenizer, vocab_size, stop_ids)
         self.backend = GRAMMAR_BACKENDS[config.grammar_backend](self.vocab, grammar_config(config))
         self.jump_forward = JumpForward(self.vocab, lambda text: tokenizer.encode(text, add_special_tokens=False))
-        self._pool = ThreadPoolExecutor(config.grammar_compile_workers, thread_name_prefix="grammar-compile")
+        self._pool = CompilePool(config.grammar_compile_workers, config.grammar_compile_timeout, self._timed_out)
 
     def submit(self, kind: str, spec: Any) -> Future[Grammar]:
-        """Start compiling; a malformed spec raises ValueError here, a failing compile in the future.
+        """Start compiling; a malformed or too large spec raises ValueError here, a failing or
+        overlong compile in the future.
 
         Both messages start with ``constrained decoding:`` so servers can name the field."""
         try:
-            normalize_spec(kind, spec)
+            _, norm = normalize_spec(kind, spec)
+            check_spec(kind, norm, self.backend.config.limits)
         except ValueError as e:
             raise ValueError(f"{ERROR_PREFIX} {e}") from None
         return self._pool.submit(self._compile, kind, spec)
@@ -59,6 +68,18 @@ class GrammarService:
             return self.backend.compile(kind, spec)
         except ValueError as e:
             raise ValueError(f"{ERROR_PREFIX} {e}") from None
+        except Exception as e:  # a grammar-engine bug must fail its request only, not the step loop
+            log.exception("compiling a %s constraint raised %s", kind, type(e).__name__)
+            raise ValueError(f"{ERROR_PREFIX} cannot compile {kind}: the grammar engine failed "
+                             f"({type(e).__name__}: {e})") from None
+
+    def _timed_out(self, kind: str, spec: Any) -> str:
+        """The pool's deadline passed: remember the failure (the same spec sent again fails at
+        once) and return the request's error message."""
+        message = (f"cannot compile {kind}: grammar compile exceeded {self._pool.timeout_s:g} s "
+                   "(server option --grammar-compile-timeout)")
+        self.backend.remember_failure(kind, spec, message)
+        return f"{ERROR_PREFIX} {message}"
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
