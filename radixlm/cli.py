@@ -114,6 +114,7 @@ SERVER_HELP = {
     "stream_write_timeout": "seconds a stream may wait for its client to read; then the request is aborted "
                             "and the connection closed",
     "max_pending_outputs": "engine outputs one request may have waiting for its HTTP handler; then it is aborted",
+    "debug_routes": "serve GET /debug/check: KV accounting and the radix cache's integrity check",
 }
 
 

@@ -491,13 +491,41 @@ class EngineCore:
         return meta
 
     # -- introspection -------------------------------------------------------------------
+    def integrity_report(self) -> dict[str, Any]:
+        """Check the KV bookkeeping at any moment; the figures and every broken invariant.
+
+        Every slot is free, held by the radix cache, or held by a running request beyond its
+        cached prefix; nothing else. While idle, only session pins may lock cache nodes.
+        Walks the whole tree: O(cached tokens), so it is for tests and soak runs, not per step.
+        """
+        errors: list[str] = []
+        for name, check in (("radix cache", self.cache.check_integrity), ("sessions", self.sessions.check_integrity)):
+            try:
+                check()
+            except AssertionError as e:
+                errors.append(f"{name}: {e}")
+        alloc, cache = self.allocator, self.cache
+        held = sum(len(r.slots) - r.tree_len for r in self.scheduler.running)
+        free, cached, total = alloc.num_free, cache.total_size(), alloc.num_slots
+        if free + cached + held != total:
+            errors.append(f"KV slots leaked: free {free} + cached {cached} + held by requests {held} != total {total}")
+        idle = not self.has_work and not self.tracks
+        pinned = self.sessions.pinned_tokens
+        if idle and cache.protected_size() > pinned:
+            errors.append(f"{cache.protected_size()} cached tokens locked while idle, sessions pin only {pinned}")
+        return {
+            "ok": not errors, "errors": errors, "idle": idle,
+            "running_requests": len(self.scheduler.running), "waiting_requests": len(self.scheduler.waiting),
+            "kv_slots_total": total, "kv_slots_free": free, "kv_slots_held_by_requests": held,
+            "cache_tokens": cached, "cache_evictable_tokens": cache.evictable_size(),
+            "cache_protected_tokens": cache.protected_size(), "session_pinned_tokens": pinned,
+        }
+
     def check_idle_integrity(self) -> None:
         """With no request in flight: nothing locked, every slot free or held by the cache."""
         assert not self.scheduler.has_work and not self.tracks
-        self.cache.check_integrity()
-        self.sessions.check_integrity()
-        assert self.cache.protected_size() <= self.sessions.pinned_tokens  # only session pins remain
-        assert self.allocator.num_free + self.cache.total_size() == self.allocator.num_slots
+        report = self.integrity_report()
+        assert report["ok"], report["errors"]
 
     def flush_cache(self) -> None:
         """Drop every cached prefix; sessions stay open, unpinned (their next turns recompute)."""

@@ -133,6 +133,8 @@ def _handle(core: EngineCore, msg: Any, outbox: zmq.Socket) -> None:
             if ok:
                 core.flush_cache()
             outbox.send_pyobj(Reply(msg.token, {"flushed": ok}))
+        elif msg.kind == "check":
+            outbox.send_pyobj(Reply(msg.token, core.integrity_report()))
         elif msg.kind in ("open_session", "close_session"):
             outbox.send_pyobj(Reply(msg.token, _session_query(core, msg.kind, msg.args)))
         else:

@@ -29,7 +29,8 @@ class AbortRequest:
 @dataclass(frozen=True)
 class Query:
     """A question with one answer (`Reply` with the same token): 'stats', 'flush_cache',
-    'open_session' or 'close_session' (those two with their fields in `args`)."""
+    'check' (EngineCore.integrity_report), 'open_session' or 'close_session' (those two with
+    their fields in `args`)."""
 
     kind: str
     token: int

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ def routes() -> list[web.RouteDef]:
         web.post("/close_session", close_session),
         web.post("/tokenize", tokenize),
         web.post("/detokenize", detokenize),
+        web.get("/debug/check", debug_check),
     ]
 
 
@@ -328,6 +330,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "server_settings": settings,
         "engine_config": dataclasses.asdict(ctx.engine_config),
         "engine": ctx.info,
+        "server_pid": os.getpid(),
         "engine_pid": client.pid,
         "engine_restarts": ctx.num_restarts,
         "stats": stats,
@@ -344,6 +347,19 @@ async def flush_cache(request: web.Request) -> web.Response:
     if not reply.get("flushed"):
         raise ApiError(400, "cache not flushed: requests are in flight; retry when the server is idle")
     return json_response({"flushed": True, "message": "Cache flushed."})
+
+
+async def debug_check(request: web.Request) -> web.Response:
+    """KV accounting and the radix cache's integrity check, run in the engine between steps
+    (EngineCore.integrity_report); served only with --debug-routes true, as it walks the whole
+    cache. A broken invariant answers 200 with ok: false and the errors, not a 500."""
+    ctx = request.app[CONTEXT]
+    if not ctx.settings.debug_routes:
+        raise ApiError(404, "/debug/check is off: start the server with --debug-routes true", code="not_found")
+    client = ctx.require_engine()
+    report = await client.query("check")
+    report["requests_in_flight"] = ctx.dispatcher.num_active if ctx.dispatcher else 0
+    return json_response(report)
 
 
 async def abort_request(request: web.Request) -> web.Response:

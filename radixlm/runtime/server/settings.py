@@ -20,6 +20,7 @@ class ServerSettings:
     restart_window: float = 600.0  # seconds over which max_restarts is counted
     stream_write_timeout: float = 30.0  # seconds a stream may wait for its client to read; then aborted
     max_pending_outputs: int = 4096  # engine outputs one request may have waiting for its handler; then aborted
+    debug_routes: bool = False  # serve GET /debug/check (walks the radix cache in the engine loop)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

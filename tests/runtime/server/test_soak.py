@@ -1,0 +1,64 @@
+"""The short versions of benchmarks/soak.py on real servers (fp32, greedy texts compare exactly):
+a mixed soak with disconnects and aborts leaves no request, lock or KV slot behind and keeps
+every compared text equal to the same request alone; an overload burst of 3x the KV pool gets
+full answers or 429s, never a lost request, and retracted requests resume with identical output."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from server_harness import start_server
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "soak.py"
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """Servers started here run torch on one thread: on a shared 2-core machine two intra-op
+    threads wait on each other and a decode step gets ~10x slower (docs/reliability.md)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _soak_module():
+    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_soak_mixed_load_leaves_nothing_behind():
+    soak = _soak_module()
+    server = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--debug-routes", "true")
+    try:
+        r = soak.soak(server.url, 160, 12, seed=3, max_new=6, warmup=16, replay_limit=40)
+    finally:
+        assert server.stop() == 0
+    assert r["num_errors"] == 0, r["errors"]
+    assert set(r["statuses"]) <= {"200", "0"}  # 0: a plain request whose client left before the answer
+    assert r["disconnects"] > 0 and r["aborts"] > 0 and r["session_turns"] > 0
+    assert r["completed"] + r["disconnects"] + r["aborts"] == r["requests"]
+    for checks in (r["checks"], r["checks_after_replay"]):
+        assert checks["running_requests"] == 0
+        assert checks["before_flush"]["ok"], checks["before_flush"]["errors"]
+        assert checks["no_leak"] and checks["all_free_after_flush"], checks
+    assert r["replay"]["compared"] >= 20 and r["replay"]["mismatches"] == []
+
+
+def test_overload_3x_pool_answers_or_429s_and_resumes_identically():
+    soak = _soak_module()
+    server = start_server("--dtype", "float32", "--max-total-tokens", "512", "--max-queued-requests", "16",
+                          "--debug-routes", "true")
+    try:
+        r = soak.overload(server.url, factor=3.0, prompt_len=32, output_len=32, replay_limit=8)
+    finally:
+        assert server.stop() == 0
+    assert r["overload_factor"] >= 3.0
+    assert r["lost"] == [] and r["full_answers"] + r["rejected_429"] == r["requests"]
+    assert r["rejected_429"] >= 1 and r["full_answers"] >= 1
+    assert r["retractions"] > 0 and r["retracted_requests"] > 0
+    assert r["mismatches"] == [] and r["compared_alone"] >= 8  # every retracted request is compared
+    assert r["checks"]["no_leak"] and r["checks"]["all_free_after_flush"], r["checks"]
