@@ -95,7 +95,7 @@ class TurnPlan:
     rid: str
     parent: str | None
     prompt_ids: list[int]
-    history_len: int
+    history_len: int  # prompt tokens the session already held (a resent conversation: shared with the head)
     max_new_tokens: int | None  # the session's capacity left for output; None: no cap
 
     def cap(self, params: SamplingParams) -> SamplingParams:
@@ -110,6 +110,11 @@ def prepended_bos(tokenizer: Any) -> int | None:
     whose 'BOS' <|im_start|> opens every message and must never be stripped)."""
     bos = getattr(tokenizer, "bos_token_id", None)
     return bos if bos is not None and list(tokenizer.encode("a"))[:1] == [bos] else None
+
+
+def _shared_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(eq=False)
@@ -270,7 +275,12 @@ class SessionManager:
                     f"{len(prompt)} ({len(history)} of history + {len(new_ids)} new) and its output needs at "
                     f"least {need - len(prompt)} more; open a session with a larger capacity")
             cap_left = sess.capacity - len(prompt)
-        return TurnPlan(sess.id, rid, parent, prompt, len(history), cap_left)
+        held = len(history)
+        if parent is None and params.replace and sess.head is not None:
+            # the whole conversation was sent again (OpenAI chat, the DSL): its history is the part
+            # it shares with the session's newest turn
+            held = _shared_len(sess.turns[sess.head].tokens, prompt)
+        return TurnPlan(sess.id, rid, parent, prompt, held, cap_left)
 
     def _check_droppable(self, sess: _Session, rids: list[str]) -> None:
         for rid in self._subtree(sess, rids):

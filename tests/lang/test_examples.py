@@ -54,7 +54,10 @@ def test_json_extraction_batch_parses(engine_backend):
 def test_multi_turn_chat(engine_backend):
     chat = load("multi_turn_chat")
     turns = chat.TURNS[:2]
-    state = chat.main(backend=engine_backend, turns=turns, max_tokens=8)
-    roles = [m["role"] for m in state.messages()]
+    states = chat.main(backend=engine_backend, turns=turns, max_tokens=8)
+    roles = [m["role"] for m in states[-1].messages()]
     assert roles == ["system"] + ["user", "assistant"] * len(turns)
-    assert state.messages()[-1]["content"] == state[f"reply{len(turns) - 1}"]
+    assert [m["content"] for m in states[-1].messages()[2::2]] == [st["reply"] for st in states]
+    # the second run read the first one's conversation from the session's pinned KV
+    first = len(engine_backend.engine.encode(states[0].text()))
+    assert states[1].get_meta_info("reply")["cached_tokens"] >= first - 1

@@ -154,6 +154,10 @@ def test_replace_drops_the_later_turns():
     # replace without rid: the prompt is the whole conversation, every turn is dropped
     r5 = rig.turn(sid, [9, 9, 9], [8], replace=True)
     assert rig.sm.describe(sid)["turns"] == [r5] and rig.sm.turn_tokens(sid, r5) == [9, 9, 9, 8]
+    # ... and its history is what it shares with the newest turn (a client resending the conversation)
+    plan = rig.sm.plan_turn(SessionParams(sid, replace=True), "r6", [9, 9, 9, 8, 1], 1)
+    assert plan.history_len == 4 and plan.prompt_ids == [9, 9, 9, 8, 1]
+    assert rig.sm.plan_turn(SessionParams(sid, replace=True), "r7", [9, 7], 1).history_len == 1
     rig.check()
 
 

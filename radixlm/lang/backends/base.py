@@ -2,7 +2,8 @@
 
 A backend opens one connection per run (or run_batch); the connection generates (whole or
 streamed), prefills a prefix (a cache hint that also returns its token count) and returns the
-input-token logprobs that select() scores choices with.
+input-token logprobs that select() scores choices with. A backend on a radixlm runtime also
+opens and closes sessions (whose KV stays pinned between runs).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class GenRequest:
     open_role: tuple[str, str] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    session: dict[str, Any] | None = None  # the runtime's session_params: this request is a session turn
 
 
 @dataclass(frozen=True)
@@ -79,3 +81,14 @@ class Backend(ABC):
     @abstractmethod
     def connect(self) -> AbstractAsyncContextManager[Connection]:
         """Open a connection for one run; it is closed when the run ends."""
+
+    def open_session(self, capacity: int | None = None, ttl: float | None = None,
+                     session_id: str | None = None) -> str:
+        """Open a runtime session (docs/sessions.md); returns its id."""
+        raise NotImplementedError(
+            f"the {type(self).__name__} backend has no sessions: sessions keep KV pinned in a radixlm "
+            "runtime, so open them on an Engine or a RuntimeEndpoint")
+
+    def close_session(self, session_id: str) -> None:
+        """Close a runtime session; one that is no longer open (closed, expired) is left as it is."""
+        raise NotImplementedError(f"the {type(self).__name__} backend has no sessions")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -36,6 +37,16 @@ class EngineBackend(Backend):
     async def connect(self) -> AsyncIterator[Connection]:
         yield _EngineConnection(self.engine)
 
+    def open_session(self, capacity: int | None = None, ttl: float | None = None,
+                     session_id: str | None = None) -> str:
+        return self.engine.open_session(capacity, ttl, session_id)
+
+    def close_session(self, session_id: str) -> None:
+        from radixlm.runtime.sessions import SessionNotFoundError
+
+        with contextlib.suppress(SessionNotFoundError):
+            self.engine.close_session(session_id)
+
 
 class _EngineConnection(Connection):
     def __init__(self, engine: Engine) -> None:
@@ -43,13 +54,15 @@ class _EngineConnection(Connection):
 
     async def generate(self, req: GenRequest) -> list[GenOutput]:
         out = await self.engine.async_generate(
-            req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num)
+            req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+            session_params=req.session)
         outs = out if isinstance(out, list) else [out]
         return [GenOutput(o["text"], o["meta_info"]) for o in outs]
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
         async for chunk in self.engine.async_stream(
-                req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num):
+                req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+                session_params=req.session):
             yield StreamChunk(chunk["text"], chunk["meta_info"] if chunk["finished"] else None)
 
     async def prefill(self, text: str) -> int:

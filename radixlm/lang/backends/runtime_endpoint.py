@@ -46,7 +46,7 @@ class RuntimeEndpoint(Backend):
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
-        self.model_info = self._get("/get_model_info")
+        self.model_info = self._call("/get_model_info")
         self.template_source = "argument"  # where the role markers came from (docs/dsl.md)
         self._template = chat_template or self._server_template()
 
@@ -54,8 +54,11 @@ class RuntimeEndpoint(Backend):
     def chat_template(self) -> ChatTemplate:
         return self._template
 
-    def _get(self, path: str) -> dict[str, Any]:
-        req = urllib.request.Request(self.base_url + path, headers=self.headers)
+    def _call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """GET ``path``, or POST ``body`` as JSON to it; the decoded JSON reply."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = self.headers if body is None else {**self.headers, "Content-Type": "application/json"}
+        req = urllib.request.Request(self.base_url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
                 return json.loads(resp.read())
@@ -80,6 +83,18 @@ class RuntimeEndpoint(Backend):
         self.template_source = "local tokenizer"
         return from_tokenizer(AutoTokenizer.from_pretrained(path))
 
+    def open_session(self, capacity: int | None = None, ttl: float | None = None,
+                     session_id: str | None = None) -> str:
+        body = {k: v for k, v in (("capacity", capacity), ("ttl", ttl), ("session_id", session_id)) if v is not None}
+        return self._call("/open_session", body)
+
+    def close_session(self, session_id: str) -> None:
+        try:
+            self._call("/close_session", {"session_id": session_id})
+        except BackendError as e:
+            if e.status != 404:  # 404: no longer open (closed or expired)
+                raise
+
     @asynccontextmanager
     async def connect(self) -> AsyncIterator[Connection]:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
@@ -100,16 +115,18 @@ class _EndpointConnection(Connection):
                 raise BackendError(resp.status, _error_message(text))
             return json.loads(text)
 
+    @staticmethod
+    def _body(req: GenRequest) -> dict[str, Any]:
+        return {"text": req.text, "sampling_params": req.sampling, "return_logprob": req.return_logprob,
+                "top_logprobs_num": req.top_logprobs_num, "session_params": req.session}
+
     async def generate(self, req: GenRequest) -> list[GenOutput]:
-        out = await self._post({"text": req.text, "sampling_params": req.sampling,
-                                "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num})
+        out = await self._post(self._body(req))
         outs = out if isinstance(out, list) else [out]
         return [GenOutput(o["text"], o["meta_info"]) for o in outs]
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
-        body = {"text": req.text, "sampling_params": req.sampling, "stream": True,
-                "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num}
-        async with self.session.post("/generate", json=body) as resp:
+        async with self.session.post("/generate", json={**self._body(req), "stream": True}) as resp:
             if resp.status != 200:
                 raise BackendError(resp.status, _error_message(await resp.text()))
             sent = 0

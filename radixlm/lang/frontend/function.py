@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from radixlm.lang.backends.base import Backend
 from radixlm.lang.context import DEFAULT_CONTEXT
 from radixlm.lang.frontend.sampling import SamplingArgs
 from radixlm.lang.interpreter.executor import RunContext
@@ -22,6 +23,7 @@ from radixlm.lang.interpreter.runner import (
     trace,
 )
 from radixlm.lang.interpreter.state import StateCore
+from radixlm.lang.sessions import Session, SessionRun
 
 DEFAULT_CONCURRENCY = 64
 
@@ -58,32 +60,40 @@ class SglFunction:
         return program, SamplingArgs.from_kwargs(sampling)
 
     # -- single runs -------------------------------------------------------------------------
-    def run(self, *args: Any, backend: Any = None, stream: bool = False, **kwargs: Any) -> ProgramState:
+    def run(self, *args: Any, backend: Any = None, stream: bool = False, session: Session | None = None,
+            **kwargs: Any) -> ProgramState:
         """Run once. Keywords are the program's arguments or sampling defaults (``temperature=0``,
         ``max_new_tokens=64``, ...). With ``stream=True`` the state returns at once; iterate
-        ``state.text_iter()``. The program's exception is raised here."""
+        ``state.text_iter()``. With ``session`` (radixlm.session(...)) the state starts where the
+        session's last run ended and the session continues from where this one ends, its KV
+        pinned in the runtime in between. The program's exception is raised here."""
         if not stream:
             _no_running_loop("run")
-        be = DEFAULT_CONTEXT.backend(backend)
-        program, defaults = self._split(kwargs)
-        core = StateCore()
-        coro = run_one(be, self.func, self.name, args, program, defaults, stream, core)
+        core, coro = self._start(args, backend, stream, session, kwargs)
         if stream:
             loop = asyncio.new_event_loop()
             return ProgramState(core, loop.create_task(quietly(coro)), loop)
         asyncio.run(coro)
         return ProgramState(core)
 
-    async def arun(self, *args: Any, backend: Any = None, stream: bool = False, **kwargs: Any) -> ProgramState:
+    async def arun(self, *args: Any, backend: Any = None, stream: bool = False, session: Session | None = None,
+                   **kwargs: Any) -> ProgramState:
         """run() for asyncio; with ``stream=True`` iterate the state with ``async for``."""
-        be = DEFAULT_CONTEXT.backend(backend)
-        program, defaults = self._split(kwargs)
-        core = StateCore()
-        coro = run_one(be, self.func, self.name, args, program, defaults, stream, core)
+        core, coro = self._start(args, backend, stream, session, kwargs)
         if stream:
             return ProgramState(core, asyncio.get_running_loop().create_task(quietly(coro)))
         await coro
         return ProgramState(core)
+
+    def _start(self, args: Sequence[Any], backend: Any, stream: bool, session: Session | None,
+               kwargs: dict[str, Any]) -> tuple[StateCore, Coroutine[Any, Any, None]]:
+        """A run's state and the coroutine that runs the program on it (a session is claimed now,
+        so a closed or busy one fails at the call)."""
+        be = _session_backend(session, backend)
+        program, defaults = self._split(kwargs)
+        core = StateCore()
+        link = SessionRun.begin(session, core) if session is not None else None
+        return core, run_one(be, self.func, self.name, args, program, defaults, stream, core, link)
 
     # -- batches -------------------------------------------------------------------------------
     def run_batch(self, batch: Sequence[dict[str, Any] | Sequence[Any]], *, backend: Any = None,
@@ -156,6 +166,17 @@ async def arun_graph(graph: Graph | str | bytes, *, backend: Any = None, **defau
         await run_graph_on(g, core, RunContext(conn, be.chat_template, SamplingArgs.from_kwargs(defaults),
                                                program=g.program))
     return ProgramState(core)
+
+
+def _session_backend(session: Session | None, backend: Any) -> Backend:
+    """The backend of a run: the session's when it has one (``backend`` may only name it again)."""
+    if session is None:
+        return DEFAULT_CONTEXT.backend(backend)
+    if not isinstance(session, Session):
+        raise TypeError(f"session= takes a radixlm.session(...) handle, got {type(session).__name__}")
+    if backend is not None and backend is not session.backend and backend is not getattr(session.backend, "engine", None):
+        raise ValueError(f"session {session.id!r} lives on the backend that opened it; drop backend= or pass that one")
+    return session.backend
 
 
 def _no_running_loop(what: str) -> None:

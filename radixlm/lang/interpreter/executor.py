@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixlm.lang.backends.base import Connection, GenRequest
 from radixlm.lang.frontend.chat_template import ChatTemplate
@@ -30,12 +30,16 @@ from radixlm.lang.interpreter.ir import (
 from radixlm.lang.interpreter.select import run_select
 from radixlm.lang.interpreter.state import StateCore
 
+if TYPE_CHECKING:
+    from radixlm.lang.sessions import SessionRun
+
 
 @dataclass(frozen=True)
 class RunContext:
     """What every node of one run shares: the backend connection, chat template and defaults.
 
-    ``sites`` maps id(node) to where the program added it, for error notes."""
+    ``sites`` maps id(node) to where the program added it, for error notes; ``session``: the
+    session whose turns the run's own gens are."""
 
     conn: Connection
     template: ChatTemplate
@@ -43,6 +47,7 @@ class RunContext:
     stream: bool = False
     program: str = ""
     sites: dict[int, str] | None = None
+    session: SessionRun | None = None
 
 
 async def execute(core: StateCore, node: Any, ctx: RunContext, site: str | None = None) -> None:
@@ -91,8 +96,10 @@ async def _gen(core: StateCore, node: GenNode, ctx: RunContext) -> None:
     sampling = ctx.defaults.merged(node.sampling)
     constraint = {node.constraint.kind: node.constraint.spec} if node.constraint else {}
     role = core.open_role
+    session = ctx.session.params(core, sampling.n) if ctx.session is not None else None
     req = GenRequest(core.text, sampling.to_native(**constraint), list(core.messages),
-                     (role[0], core.text[role[1]:]) if role else None, node.return_logprob, node.top_logprobs_num)
+                     (role[0], core.text[role[1]:]) if role else None, node.return_logprob, node.top_logprobs_num,
+                     session)
     if ctx.stream and (sampling.n or 1) == 1:
         parts: list[str] = []
         meta: dict[str, Any] = {}
@@ -105,6 +112,8 @@ async def _gen(core: StateCore, node: GenNode, ctx: RunContext) -> None:
         outs = await ctx.conn.generate(req)
         texts, metas = [o.text for o in outs], [o.meta for o in outs]
         core.append(texts[0], node.name)  # with n > 1 the state continues with the first sample
+    if session is not None:
+        ctx.session.covered = core.text
     if node.name is None:
         return
     values = [convert_dtype(node.dtype, t) if node.dtype else t for t in texts]

@@ -29,6 +29,7 @@ from radixlm.lang.interpreter.handles import (
 )
 from radixlm.lang.interpreter.ir import Graph, RoleBeginNode, RoleEndNode, TextNode
 from radixlm.lang.interpreter.state import StateCore
+from radixlm.lang.sessions import SessionRun
 
 # A shared prefix shorter than this is not worth a separate prefill request before a batch.
 MIN_SHARED_PREFIX_CHARS = 64
@@ -235,10 +236,22 @@ async def quietly(coro: Any) -> None:
 
 
 async def run_one(backend: Backend, func: Callable[..., Any], name: str, args: Sequence[Any],
-                  kwargs: dict[str, Any], defaults: SamplingArgs, stream: bool, core: StateCore) -> None:
-    async with backend.connect() as conn:
-        ctx = RunContext(conn, backend.chat_template, defaults, stream, name)
-        await run_traced(func, name, args, kwargs, core, ctx, None)
+                  kwargs: dict[str, Any], defaults: SamplingArgs, stream: bool, core: StateCore,
+                  session: SessionRun | None = None) -> None:
+    """Run one program on ``core``; with ``session`` (begun on ``core``) its gens are turns."""
+    try:
+        async with backend.connect() as conn:
+            ctx = RunContext(conn, backend.chat_template, defaults, stream, name, session=session)
+            await run_traced(func, name, args, kwargs, core, ctx, None)
+            if session is not None:
+                try:
+                    await session.finish(conn)
+                except BaseException as e:
+                    core.finish(e)
+                    raise
+    finally:
+        if session is not None:
+            session.release()
 
 
 async def run_many(backend: Backend, func: Callable[..., Any], name: str,
