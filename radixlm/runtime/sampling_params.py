@@ -101,14 +101,23 @@ class SamplingParams:
         if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a Pydantic model
             schema = schema.model_json_schema()
         if isinstance(schema, (Mapping, bool)):
-            object.__setattr__(self, "json_schema", json.dumps(schema, separators=(",", ":")))
+            try:
+                text = json.dumps(schema, separators=(",", ":"))
+            except RecursionError:  # the limit (--grammar-max-nesting) is far below Python's
+                raise ValueError("json_schema is too large: it nests too deeply to read") from None
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"json_schema is not JSON-serializable: {e}") from None
+            object.__setattr__(self, "json_schema", text)
         if isinstance(self.choices, (list, tuple)):
             object.__setattr__(self, "choices", tuple(self.choices))
         # Accept ints for float fields, but store floats so equality/hash are uniform.
         for name in _FLOAT_FIELDS:
             v = getattr(self, name)
             if _is_int(v):
-                object.__setattr__(self, name, float(v))
+                try:
+                    object.__setattr__(self, name, float(v))
+                except OverflowError:
+                    raise ValueError(f"{name} must be a finite number, got an integer too large for a float") from None
 
     # -- validation ----------------------------------------------------------------------
     def _validate(self) -> None:
@@ -183,7 +192,7 @@ class SamplingParams:
             if v is None:
                 continue
             if name == "choices":
-                if not v or not all(isinstance(c, str) for c in v):
+                if not isinstance(v, tuple) or not v or not all(isinstance(c, str) for c in v):
                     raise ValueError(f"choices must be a non-empty list of strings, got {v!r}")
             elif not isinstance(v, str):
                 raise ValueError(f"{name} must be a string, got {type(v).__name__}")

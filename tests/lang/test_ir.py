@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 import radixlm.lang as sgl
@@ -249,3 +251,114 @@ def test_first_parameter_must_be_the_state():
     with pytest.raises(TypeError, match="first parameter"):
         sgl.function(lambda: None)
     assert isinstance(TextNode(text="a"), TextNode)
+
+
+# -- fuzzing: any JSON loads into a graph or raises GraphError; valid graphs round-trip ---------
+_leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6)
+_json = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                         max_size=3), max_leaves=10)
+_ops = ["text", "role_begin", "role_end", "var_begin", "var_end", "gen", "select", "fork", "join", "bogus"]
+_roles = st.sampled_from(["system", "user", "assistant", "robot"])
+_small_int = st.integers(-1, 3)
+_sampling = st.dictionaries(st.sampled_from(["temperature", "max_new_tokens", "top_p", "stop", "n", "top_k",
+                                             "seed", "min_new_tokens", "ignore_eos", "tempreature"]),
+                            st.one_of(_small_int, st.floats(-1, 2), st.text(max_size=3), st.booleans(), st.none(),
+                                      st.lists(st.text(max_size=2), max_size=2)), max_size=3)
+
+
+_OP_FIELDS = {"text": ("text",), "role_begin": ("role",), "role_end": ("role",), "var_begin": ("name",),
+              "var_end": ("name",), "gen": ("name", "sampling", "constraint", "dtype", "return_logprob",
+                                            "top_logprobs_num"),
+              "select": ("name", "choices", "method"), "fork": ("id", "branches"), "join": ("fork", "mode"),
+              "bogus": ()}
+
+
+def _node(children: st.SearchStrategy) -> st.SearchStrategy:
+    """Node documents near the valid ones: real ops with their fields, plausible (sometimes wrong) values."""
+    fields = {
+        "text": st.text(max_size=6) | _leaf, "role": _roles, "name": st.sampled_from(["a", "b", "", None]),
+        "sampling": _sampling | _json, "constraint": st.none() | st.fixed_dictionaries(
+            {"kind": st.sampled_from(["regex", "json_schema", "ebnf", "xml"]), "spec": st.sampled_from(["a+", "", "{}"])}),
+        "dtype": st.sampled_from(["int", "str", "complex", None]), "return_logprob": st.booleans() | _leaf,
+        "top_logprobs_num": _small_int, "choices": st.lists(st.sampled_from(["x", "yes", ""]), max_size=3),
+        "method": st.sampled_from(["token_length_normalized", "greedy_token_selection", "best"]),
+        "id": _small_int, "fork": _small_int, "mode": st.sampled_from(["gather_variable", "concate_and_append", "x"]),
+        "branches": st.lists(st.lists(children, max_size=3), max_size=3),
+    }
+
+    def of(op: str) -> st.SearchStrategy:
+        own = {k: fields[k] for k in _OP_FIELDS[op]}
+        wrong = {"extra": _leaf, **{k: fields[k] for k in ("text", "role", "fork") if k not in own}}
+        right = st.fixed_dictionaries({"op": st.just(op)}, optional=own)
+        return st.one_of(right, right, right, st.fixed_dictionaries({"op": st.just(op)}, optional={**own, **wrong}))
+
+    return st.sampled_from(sorted(_OP_FIELDS)).flatmap(of)
+
+
+_nodes = st.recursive(_node(st.fixed_dictionaries({"op": st.just("text"), "text": st.text(max_size=3)})), _node,
+                      max_leaves=12)
+_graph_docs = st.fixed_dictionaries({"nodes": st.lists(_nodes, max_size=5)},
+                                    optional={"version": st.sampled_from([1, 1, 2, "1"]), "program": st.text(max_size=4)})
+
+
+VALID_DRAWN: list[bool] = []
+
+
+def _load_or_graph_error(doc):
+    try:
+        return Graph.from_json(doc)
+    except GraphError as e:
+        assert str(e).startswith("invalid request graph")
+        return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(doc=_json | _graph_docs)
+def test_any_json_loads_into_a_graph_or_raises_graph_error(doc):
+    _load_or_graph_error(json.dumps(doc))
+    if isinstance(doc, dict):
+        _load_or_graph_error(doc)
+
+
+@settings(max_examples=200, deadline=None)
+@given(doc=_graph_docs)
+def test_valid_graphs_round_trip_and_load_alike_from_text_and_dict(doc):
+    g = _load_or_graph_error(json.dumps(doc))
+    assert (g is None) == (_load_or_graph_error(doc) is None)
+    VALID_DRAWN.append(g is not None)
+    if g is not None:
+        text = g.to_json()
+        assert Graph.from_json(text) == g and Graph.from_json(text).to_json() == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(raw=st.binary(max_size=40) | st.text(max_size=40))
+def test_any_bytes_or_text_is_a_graph_error(raw):
+    _load_or_graph_error(raw)
+
+
+def test_the_graph_fuzzer_draws_valid_graphs_too():
+    """The round-trip property above is only worth something if valid graphs are drawn."""
+    if not VALID_DRAWN:
+        pytest.skip("run with the round-trip property")
+    assert sum(VALID_DRAWN) >= len(VALID_DRAWN) // 20, f"{sum(VALID_DRAWN)} valid graphs in {len(VALID_DRAWN)} drawn"
+
+
+def _nested_forks(depth: int) -> dict:
+    node: dict = {"op": "text", "text": "x"}
+    for i in range(depth):
+        node = {"op": "fork", "id": i, "branches": [[node]]}
+    return {"nodes": [node]}
+
+
+def test_deeply_nested_forks_are_refused_alike_from_text_and_dict():
+    # Found by fuzzing: 150 nested forks loaded from a dict, but not from the graph's own JSON text.
+    deepest = Graph.from_json(json.dumps(_nested_forks(32)))
+    assert Graph.from_json(deepest.to_json()) == deepest
+    for depth in (33, 150, 1000):
+        doc = _nested_forks(depth)
+        forms = [doc, json.dumps(doc)] if depth < 200 else [doc]
+        for form in forms:
+            with pytest.raises(GraphError, match="nested more than 32 deep|[Rr]ecursion") as err:
+                Graph.from_json(form)
+            assert len(str(err.value)) < 400  # the location of a deep problem is shortened

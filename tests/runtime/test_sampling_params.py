@@ -2,6 +2,8 @@ import dataclasses
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -67,6 +69,10 @@ def test_defaults_match_sglang():
         ({"regex": "a+", "ebnf": "root ::= 'a'"}, "at most one of regex, json_schema, ebnf"),
         ({"regex": "a", "json_schema": "{}"}, "got regex, json_schema"),
         ({"regex": 5}, "regex must be a string, got int"),
+        # found by fuzzing: these raised OverflowError / TypeError, or passed a string as choices
+        ({"temperature": 10**400}, "temperature must be a finite number, got an integer too large"),
+        ({"choices": 1}, "choices must be a non-empty list of strings, got 1"),
+        ({"choices": "abc"}, "choices must be a non-empty list of strings, got 'abc'"),
     ],
 )
 def test_validation_messages(kwargs, message):
@@ -137,3 +143,39 @@ def test_from_dict_rejects_non_mapping_and_validates():
         SamplingParams.from_dict([("temperature", 1.0)])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams.from_dict({"top_p": 0.0})
+
+
+# -- fuzzing: any JSON-ish dict is either valid or a ValueError that names a field -------------
+_json_leaf = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10**400), max_value=10**400)
+              | st.floats() | st.text(max_size=8))
+_json_values = st.recursive(_json_leaf, lambda inner: st.lists(inner, max_size=4)
+                            | st.dictionaries(st.text(max_size=4), inner, max_size=4), max_leaves=12)
+_keys = st.sampled_from(SamplingParams.field_names()) | st.text(max_size=12)
+# Values near the valid ones too, so that valid params (and their round trip) are drawn often.
+_near_valid = st.one_of(st.integers(-3, 300), st.floats(-3, 3), st.booleans(), st.none(),
+                        st.sampled_from(["a", "\n", "", "[a-z]+", '{"type": "object"}']),
+                        st.lists(st.sampled_from(["x", "yz", "", "😀"]), max_size=3),
+                        st.lists(st.integers(-2, 5), max_size=3))
+
+
+@settings(max_examples=500, deadline=None)
+@given(d=st.dictionaries(_keys, _json_values | _near_valid, max_size=6))
+def test_any_dict_is_valid_params_or_a_value_error_naming_a_field(d):
+    try:
+        p = SamplingParams.from_dict(d)
+    except ValueError as e:
+        message = str(e)
+        assert message and any((k and k in message) or repr(k) in message for k in d), message
+        return
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    json.dumps(p.to_dict(), allow_nan=False)
+    hash(p)
+
+
+@settings(max_examples=200, deadline=None)
+@given(x=_json_values)
+def test_any_json_value_as_sampling_params_is_params_or_a_value_error(x):
+    try:
+        SamplingParams.from_dict(x)
+    except ValueError as e:
+        assert str(e)

@@ -212,3 +212,28 @@ def test_holdback_is_the_longest_stop_prefix_tail(text, stop):
             assert starts_stop(m.held)
         k = len(seen) - len(m.held)
         assert not any(starts_stop(seen[i:]) for i in range(k))
+
+
+# Any unicode (lone surrogates, combining marks, astral planes) for texts and stops; stops are
+# often slices of the text, so matches, overlaps and shared prefixes are common.
+_any_char = st.characters(codec=None, categories=None)
+
+
+@st.composite
+def _text_and_stops(draw):
+    text = draw(st.text(_any_char, max_size=40))
+    slices = st.tuples(st.integers(0, len(text)), st.integers(1, 6)).map(lambda t: text[t[0]:t[0] + t[1]])
+    stops = draw(st.lists(slices.filter(bool) | st.text(_any_char, min_size=1, max_size=5), max_size=4))
+    return text, stops
+
+
+@settings(max_examples=400, deadline=None)
+@given(text_stops=_text_and_stops(), cuts=st.lists(st.integers(0, 40), max_size=8), keep_stop=st.booleans())
+def test_arbitrary_unicode_matches_the_naive_reference(text_stops, cuts, keep_stop):
+    text, stop = text_stops
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    chunks = [text[i:j] for i, j in zip([0] + bounds, bounds + [len(text)])]
+    got, matched, pieces = run(stop, chunks, keep_stop)
+    assert (got, matched) == oracle(stop, text, keep_stop)
+    # nothing after the first stop string is ever emitted
+    assert text.startswith("".join(pieces))

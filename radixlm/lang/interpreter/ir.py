@@ -23,6 +23,9 @@ from pydantic import (
 from radixlm.lang.frontend.sampling import SamplingArgs
 
 IR_VERSION = 1
+# Forks nest at most this deep, so every valid graph also loads from its own JSON text (the JSON
+# parser stops at 200 levels of nesting; each fork takes four).
+MAX_FORK_DEPTH = 32
 Role = Literal["system", "user", "assistant"]
 
 
@@ -153,9 +156,9 @@ class Graph(BaseModel):
 
 
 def _check_sequence(nodes: list[Any], where: str, fork_ids: set[int], open_roles: list[str],
-                    problems: list[str]) -> None:
+                    problems: list[str], depth: int = 0) -> None:
     """Roles and var scopes balance (a branch inherits the roles open at its fork); joins follow
-    their forks; fork ids are unique."""
+    their forks; fork ids are unique; forks nest at most MAX_FORK_DEPTH deep."""
     roles = list(open_roles)
     scopes: list[str] = []
     forks_here: set[int] = set()
@@ -178,12 +181,15 @@ def _check_sequence(nodes: list[Any], where: str, fork_ids: set[int], open_roles
             else:
                 scopes.pop()
         elif isinstance(node, ForkNode):
+            if depth == MAX_FORK_DEPTH:
+                problems.append(f"{_short(at)}: forks nested more than {MAX_FORK_DEPTH} deep")
+                continue
             if node.id in fork_ids:
                 problems.append(f"{at}: fork id {node.id} is used twice")
             fork_ids.add(node.id)
             forks_here.add(node.id)
             for b, branch in enumerate(node.branches):
-                _check_sequence(branch, f"{at}.branches[{b}]", fork_ids, roles, problems)
+                _check_sequence(branch, f"{at}.branches[{b}]", fork_ids, roles, problems, depth + 1)
         elif isinstance(node, JoinNode):
             if node.fork not in forks_here:
                 problems.append(f"{at}: join of fork {node.fork}, which is not forked earlier in this sequence")
@@ -195,9 +201,14 @@ def _check_sequence(nodes: list[Any], where: str, fork_ids: set[int], open_roles
 def _describe(e: ValidationError) -> str:
     lines = [f"invalid request graph ({e.error_count()} problem(s)):"]
     for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        loc = _short(".".join(str(p) for p in err["loc"]) or "<root>")
         lines.append(f"  {loc}: {err['msg']}")
     return "\n".join(lines)
+
+
+def _short(location: str) -> str:
+    """A location in a deeply nested graph: its start and its end say where."""
+    return location if len(location) <= 160 else f"{location[:80]}...{location[-60:]}"
 
 
 def graph_json_schema() -> str:
