@@ -127,6 +127,24 @@ def profile_top(engine: Engine, rows: int = 12) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
+def host_profile_top(engine: Engine, bs: int, rows: int = 25) -> str:
+    """The host functions that take the most time (cProfile, own time) in a decode of OUT_LEN
+    tokens at batch `bs`: what the CPU does between graph replays."""
+    import cProfile
+    import io
+    import pstats
+
+    engine.flush_cache()
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.generate(input_ids=random_prompts(bs, IN_LEN, seed=5),
+                    sampling_params={"temperature": 0, "max_new_tokens": OUT_LEN, "ignore_eos": True})
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
+
+
 def hf_model() -> Any:
     import transformers
 
@@ -195,6 +213,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", required=True, help="a tokenizer folder (for detokenizing only)")
     ap.add_argument("--out", default="benchmarks/results/gpu.json")
     ap.add_argument("--profile", action="store_true", help="also print the top GPU kernels")
+    ap.add_argument("--host-profile", action="store_true", help="also print the top host functions of bs1 and bs64 decode")
     args = ap.parse_args()
     import transformers
     import triton
@@ -228,6 +247,9 @@ def main() -> None:
     log("shared prefix, radix s", f"{res['shared_prefix_s']['radix']:.2f}")
     if args.profile:
         print(profile_top(engine), flush=True)
+    if args.host_profile:
+        for bs in (1, 64):
+            print(f"host profile, decode bs{bs}:\n{host_profile_top(engine, bs)}", flush=True)
     engine.shutdown()
     del engine
     free_gpu()

@@ -28,6 +28,11 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, kv_heads, head_dim]) at `slots` ([T]) of `layer`."""
+        if k.is_cuda:  # one kernel for both instead of two index copies
+            from radixlm.runtime.kernels import fused
+
+            fused.store_kv(self.k[layer], self.v[layer], slots, k, v)
+            return
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 

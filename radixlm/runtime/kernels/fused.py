@@ -1,5 +1,5 @@
 """Fused element-wise kernels for the model on CUDA (triton): RMSNorm with the residual add,
-rotary embedding of q and k in place, and SiLU(gate) * up.
+rotary embedding of q and k in place, SiLU(gate) * up, and the KV pool write of k and v.
 
 A bs1 decode step of an 8B model launches ~40 small kernels per layer without them; each
 costs a few microseconds however little it does, which profiles showed as ~20% of the step.
@@ -105,3 +105,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _store_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+                     HEADS: tl.constexpr, D: tl.constexpr, HEADS_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h < HEADS)[:, None] & (offs_d < D)[None, :]
+    dst = slot * stride_c + offs_h[:, None] * D + offs_d[None, :]
+    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    tl.store(KC + dst, k, mask=mask)
+    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(VC + dst, v, mask=mask)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_cache[slots] = k and v_cache[slots] = v in one launch; caches [slots, kv_heads, d]
+    contiguous, k/v [T, kv_heads, d] with unit stride along d (views of the qkv output)."""
+    heads, d = k.shape[1], k.shape[2]
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    _store_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+        HEADS=heads, D=d, HEADS_PAD=triton.next_power_of_2(heads), D_PAD=triton.next_power_of_2(d), num_warps=4,
+    )

@@ -27,40 +27,74 @@ class GemvConfig:
     num_stages: int = 3
 
 
+PLAIN, SILU_MUL, RMS_NORM = 0, 1, 2  # what the kernel does to its input row before the product
+
+
 @triton.jit
-def _gemv_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemv_kernel(X, W, B, NW, Y, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr,
+                 ADD_TO_Y: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
         if EVEN_K:
             w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-            x = tl.load(X + offs_k)
         else:
-            k_mask = offs_k < K
             w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(X + offs_k, mask=k_mask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        x = tl.load(X + offs_k, mask=k_mask, other=0.0)
+        xf = x.to(tl.float32)
+        if PROLOGUE == 1:  # X = [gate | up]: SiLU(gate) * up, rounded where the unfused kernel rounds
+            u = tl.load(X + K + offs_k, mask=k_mask, other=0.0)
+            act = (xf / (1.0 + tl.exp(-xf))).to(x.dtype)
+            xf = (act.to(tl.float32) * u.to(tl.float32)).to(x.dtype).to(tl.float32)
+        if PROLOGUE == 2:  # RMSNorm: the norm weight now, the row's 1/rms (a scalar) after the loop
+            ss += xf * xf
+            xf = xf * tl.load(NW + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
+    if PROLOGUE == 2:
+        acc = acc * tl.rsqrt(tl.sum(ss, 0) / K + eps)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
+    out = acc.to(Y.dtype.element_ty)
+    if ADD_TO_Y:  # the residual stream: Y += product, rounded as a separate add would round
+        y = tl.load(Y + offs_n, mask=n_mask, other=0.0)
+        out = (out.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + offs_n, out, mask=n_mask)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """x [1, K] @ weight [N, K]^T (+ bias) -> [1, N], both contiguous along K."""
-    k = x.shape[-1]
+         config: GemvConfig | None = None, *, silu_mul: bool = False, norm_weight: torch.Tensor | None = None,
+         eps: float = 0.0, add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T (+ bias) -> [1, N], both contiguous along K.
+
+    - `silu_mul`: x is [1, 2K] = [gate | up] and the product is taken with SiLU(gate) * up
+      (the MLP's down projection without a separate activation kernel);
+    - `norm_weight`, `eps`: the product is taken with RMSNorm(x) (a layer's input norm), in one
+      pass: 1/rms(x) is a scalar, applied to the sums after the loop, so the normalised row is
+      never rounded to the model dtype (slightly more precise than the unfused kernels);
+    - `add_to`: a [1, N] tensor that the result is added into, in place, and returned (the
+      residual stream).
+    """
+    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
     n = weight.shape[0]
-    assert x.numel() == k and weight.shape[1] == k and weight.stride(1) == 1 and x.is_contiguous()
+    assert x.shape[0] == 1 and weight.shape[1] == k and weight.stride(1) == 1 and x.is_contiguous()
+    assert not (silu_mul and norm_weight is not None)
     cfg = config or default_config(n, k)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if add_to is not None:
+        assert add_to.shape == (1, n) and add_to.is_contiguous() and add_to.data_ptr() != x.data_ptr()
+        y = add_to
+    else:
+        y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    prologue = SILU_MUL if silu_mul else RMS_NORM if norm_weight is not None else PLAIN
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
+        y, n, k, weight.stride(0), eps,
+        HAS_BIAS=bias is not None, PROLOGUE=prologue, ADD_TO_Y=add_to is not None, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
 
@@ -69,10 +103,3 @@ def default_config(n: int, k: int) -> GemvConfig:
     """The launch shape for an [N, K] weight. One shape serves all of Llama-3-8B's weights within
     0.5 µs of each one's best in the H100 sweep of benchmarks/gemv.py (docs/gpu.md)."""
     return GemvConfig()
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the GEMV kernel when x is one contiguous row."""
-    if x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1:
-        return gemv(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)

@@ -3,8 +3,9 @@
 Tokens of all sequences in a step are flattened into one [T, hidden] batch; attention is the
 only part that needs to know where sequences begin and end, and the backend holds that.
 On CUDA, RMSNorm (with the residual add), RoPE and SiLU*up run as fused triton kernels
-(radixlm.runtime.kernels.fused) and one-row linear layers as a triton GEMV
-(radixlm.runtime.kernels.gemv); elsewhere as the plain PyTorch below.
+(radixlm.runtime.kernels.fused); a one-token step runs each layer as four triton GEMVs with the
+norms, SiLU*up and residual adds folded in (radixlm.runtime.kernels.gemv); elsewhere the plain
+PyTorch below.
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ class RMSNorm(nn.Module):
         return self.forward(summed), summed
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CUDA a single row (batch-1 decode) goes through the triton GEMV, which reads
-    the weights faster than cuBLAS's split-K kernels for these shapes (docs/gpu.md)."""
-    if x.is_cuda:
-        from radixlm.runtime.kernels import gemv
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear; on CUDA a single row goes through the triton GEMV, which reads the weights
+    faster than cuBLAS does at batch 1 (docs/gpu.md)."""
+    if x.is_cuda and x.shape[0] == 1 and x.is_contiguous():
+        from radixlm.runtime.kernels.gemv import gemv
 
-        return gemv.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return gemv(x, weight)
+    return F.linear(x, weight)
 
 
 class Attention(nn.Module):
@@ -63,12 +64,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> torch.Tensor:
+        return self.o_proj(self.attend(self.qkv_proj(x), rotary, backend))
+
+    def attend(self, qkv: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Attention output [T, q_size] (before o_proj) from the fused q/k/v projection."""
         a = self.arch
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q, k = rotary.apply(q.view(-1, a.num_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim))
         v = v.view(-1, a.num_kv_heads, a.head_dim)
-        return linear(backend.forward(self.layer, q, k, v), self.o_proj.weight)
+        return backend.forward(self.layer, q, k, v)
 
 
 class MLP(nn.Module):
@@ -78,11 +82,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj.weight)
+        gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda:
             from radixlm.runtime.kernels import fused
 
-            return linear(fused.silu_mul(gate_up), self.down_proj.weight)
+            return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -106,6 +110,18 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_forward(h, residual)
         x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, rotary, backend), residual)
         return self.mlp(x), residual
+
+    def forward_row(self, stream: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> None:
+        """One token on CUDA (batch-1 decode): add this layer into the residual stream [1, hidden]
+        in place. The norms, SiLU*up and the residual adds run inside the GEMV kernels, so a
+        layer is four GEMVs plus RoPE, the K/V write and attention."""
+        from radixlm.runtime.kernels.gemv import gemv
+
+        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv = gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        gemv(attn.attend(qkv, rotary, backend).contiguous(), attn.o_proj.weight, add_to=stream)
+        gate_up = gemv(stream, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps)
+        gemv(gate_up, mlp.down_proj.weight, silu_mul=True, add_to=stream)
 
 
 class LlamaModel(nn.Module):
@@ -139,6 +155,8 @@ class LlamaModel(nn.Module):
         assert self.rope is not None, "call init_rope() first"
         h = self.embed_tokens(input_ids)
         rotary = self.rope.batch(positions, h.dtype)
+        if h.is_cuda and h.shape[0] == 1:
+            return self._forward_row(h, rotary, backend, logit_rows)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, rotary, backend)
@@ -147,3 +165,16 @@ class LlamaModel(nn.Module):
             h, residual = h[logit_rows], residual[logit_rows]
         h, _ = self.norm.add_forward(h, residual)
         return linear(h, self.lm_head_weight).float()
+
+    def _forward_row(self, h: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend,
+                     logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """forward() for one token on CUDA: the residual stream updated in place layer by layer."""
+        from radixlm.runtime.kernels.gemv import gemv
+
+        for layer in self.layers:
+            layer.forward_row(h, rotary, backend)
+        if logit_rows is not None:
+            h = h[logit_rows]
+        if h.shape[0] == 0:
+            return h.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
+        return gemv(h, self.lm_head_weight, norm_weight=self.norm.weight, eps=self.norm.eps).float()
