@@ -29,6 +29,8 @@ import math
 import re
 from typing import Any
 
+import regex
+
 __all__ = ["UnsupportedSchema", "prepare_json_schema"]
 
 
@@ -173,10 +175,15 @@ def _anchor_in_middle(pattern: str) -> bool:
     return False
 
 
+SEARCH_TIMEOUT_S = 0.1  # a user pattern may backtrack for hours: '^(a|aa)+$' on 'aaa...ab'
+
+
 def _search(pattern: str, text: str) -> bool:
+    # The `regex` module, not `re`: it can stop a search after a timeout and release the GIL
+    # meanwhile (`re` held the GIL, stalling the whole engine process, for as long as it ran).
     try:
-        return re.search(pattern, text) is not None
-    except re.error:
+        return regex.search(pattern, text, timeout=SEARCH_TIMEOUT_S, concurrent=True) is not None
+    except (regex.error, TimeoutError):
         return True  # unknown: assume it matches
 
 

@@ -314,3 +314,14 @@ def test_lone_surrogates_are_named(backend, kind, spec):
     # JSON text may carry "\ud800" escapes that decode to half a UTF-16 pair: no UTF-8 exists for it
     with pytest.raises(ValueError, match=rf"^{kind} is not valid Unicode text: it holds the lone surrogate U\+D"):
         backend.compile(kind, spec)
+
+
+def test_a_backtracking_pattern_property_check_is_bounded(backend):
+    # schema_check tests property names against patternProperties. With Python's `re`, this one
+    # backtracked for hours (~2^60 steps) holding the GIL, so no other thread of the engine
+    # process (step loop, compile watchdog) ran meanwhile; now the search stops after 0.1 s.
+    name = "a" * 60 + "b"
+    schema = {"type": "object", "properties": {name: {"type": "integer"}},
+              "patternProperties": {"^(a|aa)+$": {"type": "string"}}}
+    with pytest.raises(ValueError, match=f"property '{name}' also matches patternProperties"):
+        backend.compile("json_schema", schema)  # an unanswered search counts as a match
