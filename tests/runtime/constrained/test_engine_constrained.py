@@ -206,3 +206,42 @@ def test_logprobs_line_up_with_output_ids(engine):
     out = engine.generate(_chat("Two numbers as JSON."), {**GREEDY, "json_schema": schema}, return_logprob=True)
     lps = out["meta_info"]["output_token_logprobs"]
     assert [t for _, t in lps] == out["output_ids"]
+
+
+# --- the outlines backend through the Engine ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def outlines_engine():
+    e = Engine(dtype="float32", max_total_tokens=8000, context_length=2048, grammar_backend="outlines")
+    yield e
+    e.core.check_idle_integrity()
+    e.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+def test_outlines_jump_forward_through_engine(outlines_engine, kind):
+    """outlines-core knows nothing of forced text: the character FSM (interegular) supplies it.
+    With jump-forward on, forced runs join the output in shared passes, and the output still
+    matches; with it off, every token costs a pass."""
+    if kind == "json_schema":
+        spec = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
+                                                 "capital": {"type": "boolean"}},
+                "required": ["city", "population", "capital"]}
+        prompt = _chat("Give a JSON record about the city of Lyon.")
+    else:
+        spec = r"The answer is (yes|no), with confidence [1-9][0-9]%\."
+        prompt = "Is Lyon in France? "
+    metas = {}
+    for jf in (True, False):
+        out = outlines_engine.generate(prompt, {**GREEDY, kind: spec, "jump_forward": jf})
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        if kind == "json_schema":
+            _valid(spec, out["text"])
+        else:
+            assert re.fullmatch(spec, out["text"]), out["text"]
+        assert out["text"] == outlines_engine.tokenizer.decode(out["output_ids"])
+        metas[jf] = out["meta_info"]
+    assert metas[True]["forced_tokens"] > 0 and metas[False]["forced_tokens"] == 0
+    assert metas[False]["forward_passes"] == metas[False]["completion_tokens"]
+    assert metas[True]["forward_passes"] < metas[True]["completion_tokens"]
