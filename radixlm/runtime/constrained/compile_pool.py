@@ -79,7 +79,7 @@ class CompilePool:
 
     # -- internals (the _cond lock held) ------------------------------------------------------
     def _start_ready(self) -> None:
-        while self._queue and self._running < self.workers and self.overdue < self.workers:
+        while self._queue and self._running < self.workers and self._running + self.overdue < 2 * self.workers:
             job = self._queue.popleft()
             if job.future.cancelled():  # its request was aborted while it waited
                 continue
