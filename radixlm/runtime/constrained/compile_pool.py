@@ -4,8 +4,10 @@ A compile past its limit fails its future with ``ValueError("... exceeded N s")`
 its request can be answered; the compile's thread cannot be stopped (Python threads cannot be
 killed and the grammar engine's C++ compile has no cancel), so it runs on, abandoned, until the
 engine returns, and its result is thrown away. Its slot is handed to the next compile, so a
-stuck compile does not hold up others; at most ``workers`` abandoned compiles may run at once,
-past that new compiles wait for one of them to end (so at most ``2 * workers`` threads compile).
+stuck compile does not hold up others, as long as fewer than ``2 * workers`` compiles run in all
+(past that, new compiles wait for an abandoned one to end). Compile threads are not daemons, so
+a process exits only once its abandoned compiles end (the server kills its engine process 10 s
+after asking it to stop).
 Trade-off (docs/reliability.md): a separate process could be killed and memory-capped, but then
 every compiled grammar would have to be serialized across (~1 s for a 12 MB xgrammar grammar),
 so the hard bound is left to the size limits (``limits.py``) that run before compiling.
@@ -87,7 +89,9 @@ class CompilePool:
             heapq.heappush(self._deadlines, (job.deadline, next(self._seq), job))
             self._running += 1
             job.state = "running"
-            threading.Thread(target=self._run, args=(job,), name=self._name, daemon=True).start()
+            # not daemon: exiting while a daemon thread is inside the C++ compile aborts the process
+            # ("terminate called without an active exception", exit 134); exit waits for it instead
+            threading.Thread(target=self._run, args=(job,), name=self._name, daemon=False).start()
         self._cond.notify_all()  # the watchdog re-reads the earliest deadline
 
     def _run(self, job: _Job) -> None:
