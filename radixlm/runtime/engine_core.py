@@ -193,6 +193,9 @@ class EngineCore:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"request {rid}: token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:  # (blocked as an end token before min_new_tokens, it would fail a whole step)
+            raise ValueError(f"stop_token_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
         if top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
         start = logprob_start_len if return_logprob else -1

@@ -166,11 +166,20 @@ class PromptSpec:
     session: SessionParams | None = None
 
 
-def expand_jobs(prompts: list[PromptSpec]) -> list[Job]:
-    """One job per completion: n copies of each prompt, in prompt-major order.
+def check_job_count(count: int, max_jobs: int, what: str = "completions (prompts x n)") -> None:
+    """A request that alone asks for more engine requests than the server admits at once can never
+    run: a 400 before anything is tokenized or expanded (retrying, as after a 429, cannot help)."""
+    if count > max_jobs:
+        raise ApiError(400, f"this request asks for {count} {what}, more than the {max_jobs} the server "
+                            "runs at once (--max-queued-requests); split it into smaller requests")
+
+
+def expand_jobs(prompts: list[PromptSpec], max_jobs: int) -> list[Job]:
+    """One job per completion: n copies of each prompt, in prompt-major order (at most max_jobs).
 
     Copies of a seeded request get seeds seed+i, so each is its own sample yet reproducible
     (what the in-process Engine does)."""
+    check_job_count(sum(p.params.n for p in prompts), max_jobs)
     jobs: list[Job] = []
     for p in prompts:
         n = p.params.n

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.context import CONTEXT, ServerContext
-from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs, next_event
+from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, check_job_count, expand_jobs, next_event
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import check_keys, get_bool, get_float, get_int, get_str, is_token_list
 from radixlm.runtime.server.messages import AddRequest
@@ -69,7 +69,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
     body = await read_json_object(request, ctx.settings.max_request_bytes)
     tok, dispatcher = ctx.require_ready()
-    spec = parse_generate(body, tok, ctx.settings.max_top_logprobs)
+    spec = parse_generate(body, tok, ctx.settings.max_top_logprobs, ctx.settings.max_queued_requests)
     with ctx.busy():
         try:
             async with dispatcher.run(spec.jobs, arrival) as events:
@@ -82,9 +82,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
             raise
 
 
-def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> GenerateSpec:
+def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int) -> GenerateSpec:
     """Validate a /generate body into engine jobs; every problem is a 400 naming its field."""
     check_keys(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_UNSUPPORTED)
+    for key in ("text", "input_ids"):
+        if isinstance(body.get(key), list) and body[key] and isinstance(body[key][0], (str, list)):
+            check_job_count(len(body[key]), max_jobs, "prompts")
     prompts, single = _prompts(body, tok)
     b = len(prompts)
     params = _per_prompt(body, "sampling_params", b)
@@ -112,7 +115,7 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> 
             raise ApiError(400, "a session turn is one prompt with n = 1; send the others as separate turns",
                            param="session_params")
         specs[0] = dataclasses.replace(specs[0], session=session)
-    jobs = expand_jobs(specs)
+    jobs = expand_jobs(specs, max_jobs)
     return GenerateSpec(
         jobs=jobs,
         single=single and len(jobs) == 1,

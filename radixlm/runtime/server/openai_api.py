@@ -14,7 +14,7 @@ from aiohttp import web
 
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.context import CONTEXT, ServerContext
-from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, expand_jobs, next_event
+from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, check_job_count, expand_jobs, next_event
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import (
     check_keys,
@@ -63,7 +63,7 @@ def routes() -> list[web.RouteDef]:
     ]
 
 
-def _endpoint(planner: Callable[[dict[str, Any], ServerTokenizer, int], Plan]) -> Handler:
+def _endpoint(planner: Callable[[dict[str, Any], ServerTokenizer, int, int], Plan]) -> Handler:
     """The handler of a generation route: read the body, plan the requests, run them."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -71,7 +71,8 @@ def _endpoint(planner: Callable[[dict[str, Any], ServerTokenizer, int], Plan]) -
         arrival = time.perf_counter()
         body = await read_json_object(request, ctx.settings.max_request_bytes)
         tok, _ = ctx.require_ready()
-        return await _run(request, ctx, planner(body, tok, ctx.settings.max_top_logprobs), arrival, tok)
+        plan = planner(body, tok, ctx.settings.max_top_logprobs, ctx.settings.max_queued_requests)
+        return await _run(request, ctx, plan, arrival, tok)
 
     return handle
 
@@ -363,13 +364,16 @@ def _completion_logprobs(entries: Any, tops: Any, k: int, tok: ServerTokenizer, 
 
 
 # -- /v1/completions ---------------------------------------------------------------------
-def plan_completion(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> Plan:
+def plan_completion(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int) -> Plan:
     check_keys(body, COMPLETION_FIELDS, IGNORED_FIELDS, UNSUPPORTED_FIELDS)
     n, stream, include_usage = _common(body)
     best_of = get_int(body, "best_of", n, lo=1)
     if best_of != n:
         raise ApiError(400, f"best_of must equal n ({n}): this server returns every sample it draws",
                        param="best_of")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        check_job_count(len(prompt), max_jobs, "prompts")
     prompts = _completion_prompts(body, tok)
     logprobs = get_int(body, "logprobs", None, lo=0, hi=max_top)
     echo = get_bool(body, "echo")
@@ -385,7 +389,8 @@ def plan_completion(body: dict[str, Any], tok: ServerTokenizer, max_top: int) ->
         for p, ids in enumerate(prompts)
     ]
     return Plan(
-        kind="completion", rid=rid, jobs=expand_jobs(specs), n=n, stream=stream, include_usage=include_usage,
+        kind="completion", rid=rid, jobs=expand_jobs(specs, max_jobs), n=n, stream=stream,
+        include_usage=include_usage,
         prompt_lens=[len(p) for p in prompts], logprobs=logprobs is not None, top_logprobs=logprobs or 0,
         echo_texts=[_prompt_text(body, p, ids, tok) for p, ids in enumerate(prompts)] if echo else [],
         constraint_param=_constraint_field(body),
@@ -431,7 +436,7 @@ def _constraint_field(body: Mapping[str, Any]) -> str | None:
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------
-def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> Plan:
+def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int) -> Plan:
     check_keys(body, CHAT_FIELDS, IGNORED_FIELDS, UNSUPPORTED_FIELDS)
     n, stream, include_usage = _common(body)
     tool_choice = body.get("tool_choice")
@@ -451,7 +456,8 @@ def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int) -> Plan:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     spec = PromptSpec(ids, params, rid, return_logprob=logprobs, top_logprobs_num=top if logprobs else 0,
                       session=_chat_session(body, n))
-    return Plan(kind="chat", rid=rid, jobs=expand_jobs([spec]), n=n, stream=stream, include_usage=include_usage,
+    return Plan(kind="chat", rid=rid, jobs=expand_jobs([spec], max_jobs), n=n, stream=stream,
+                include_usage=include_usage,
                 prompt_lens=[len(ids)], logprobs=logprobs, top_logprobs=top, constraint_param=_constraint_field(body))
 
 
