@@ -581,12 +581,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str]) -> tuple[subprocess.Popen, str, str]:
-    """Start `radixlm serve` on a free port; (process, url, log path) once /health answers 200."""
+def launch(args: list[str], threads: int = 1) -> tuple[subprocess.Popen, str, str]:
+    """Start `radixlm serve` on a free port, torch on `threads` threads (OMP_NUM_THREADS);
+    (process, url, log path) once /health answers 200."""
     port = _free_port()
     fd, log_path = tempfile.mkstemp(prefix="radixlm-soak-", suffix=".log")
     cmd = [sys.executable, "-m", "radixlm.cli", "serve", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     os.close(fd)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + LAUNCH_DEADLINE_S
@@ -623,6 +625,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--disconnect-rate", type=float, default=0.1)
     ap.add_argument("--abort-rate", type=float, default=0.05)
+    ap.add_argument("--warmup", type=int, default=200, help="requests before the first RSS reading")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of launched servers")
     ap.add_argument("--replay-limit", type=int, default=None, help="compare at most this many (default: all)")
     ap.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of the soak server (--launch)")
     ap.add_argument("--overload-pool", type=int, default=1024, help="KV pool of the overload server (--launch)")
@@ -644,11 +648,11 @@ def main() -> int:
         url = s.url
         if s.launch:
             args = [*SERVER_ARGS, "--max-total-tokens", str(s.max_total_tokens), "--debug-routes", "true"]
-            proc, url, _ = launch(args)
+            proc, url, _ = launch(args, s.threads)
             report["soak_server_args"] = args
         try:
             report["soak"] = soak(url, s.num_requests, s.concurrency, s.seed, s.max_new_tokens, s.disconnect_rate,
-                                  s.abort_rate, replay_limit=s.replay_limit)
+                                  s.abort_rate, warmup=s.warmup, replay_limit=s.replay_limit)
         finally:
             if proc is not None:
                 report["soak_server_exit"] = stop(proc)
@@ -656,7 +660,7 @@ def main() -> int:
     if not s.soak_only and s.launch:
         args = [*SERVER_ARGS, "--max-total-tokens", str(s.overload_pool), "--max-queued-requests",
                 str(s.overload_queue), "--debug-routes", "true"]
-        proc, url, _ = launch(args)
+        proc, url, _ = launch(args, s.threads)
         report["overload_server_args"] = args
         try:
             report["overload"] = overload(url, s.overload_factor, seed=s.seed)
