@@ -278,7 +278,8 @@ def _node(children: st.SearchStrategy) -> st.SearchStrategy:
     fields = {
         "text": st.text(max_size=6) | _leaf, "role": _roles, "name": st.sampled_from(["a", "b", "", None]),
         "sampling": _sampling | _json, "constraint": st.none() | st.fixed_dictionaries(
-            {"kind": st.sampled_from(["regex", "json_schema", "ebnf", "xml"]), "spec": st.sampled_from(["a+", "", "{}"])}),
+            {"kind": st.sampled_from(["regex", "json_schema", "ebnf", "xml"]),
+             "spec": st.sampled_from(["a+", "", "{}"])}),
         "dtype": st.sampled_from(["int", "str", "complex", None]), "return_logprob": st.booleans() | _leaf,
         "top_logprobs_num": _small_int, "choices": st.lists(st.sampled_from(["x", "yes", ""]), max_size=3),
         "method": st.sampled_from(["token_length_normalized", "greedy_token_selection", "best"]),
@@ -298,7 +299,8 @@ def _node(children: st.SearchStrategy) -> st.SearchStrategy:
 _nodes = st.recursive(_node(st.fixed_dictionaries({"op": st.just("text"), "text": st.text(max_size=3)})), _node,
                       max_leaves=12)
 _graph_docs = st.fixed_dictionaries({"nodes": st.lists(_nodes, max_size=5)},
-                                    optional={"version": st.sampled_from([1, 1, 2, "1"]), "program": st.text(max_size=4)})
+                                    optional={"version": st.sampled_from([1, 1, 2, "1"]),
+                                              "program": st.text(max_size=4)})
 
 
 VALID_DRAWN: list[bool] = []

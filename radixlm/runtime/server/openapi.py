@@ -110,7 +110,7 @@ def _session_params() -> Schema:
     }, required=("id",), closed=True, description="a turn of a session (docs/sessions.md)")
 
 
-def _generate_request(max_top: int) -> Schema:
+def _generate_request(max_top: int, max_jobs: int) -> Schema:
     text = {"anyOf": [STR, {"type": "array", "items": STR, "minItems": 1}],
             "description": "the prompt, or a batch of prompts"}
     ids = {"anyOf": [TOKEN_IDS, {"type": "array", "items": TOKEN_IDS, "minItems": 1}],
@@ -133,6 +133,7 @@ def _generate_request(max_top: int) -> Schema:
         "log_metrics": {**ANY_JSON, "description": "accepted and ignored"},
         **{k: _empty_only(k) for k in GENERATE_UNSUPPORTED},
     }, closed=True, description="Exactly one of text or input_ids. Prompts must be shorter than the context length.")
+    s["description"] += f" Prompts x n at most {max_jobs} (--max-queued-requests), else 400."
     s["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
     return s
 
@@ -439,7 +440,8 @@ def openapi_spec(settings: ServerSettings) -> dict[str, Any]:
         "info": {"title": "radixlm", "version": "1", "description": (
             "SGLang's native routes and the OpenAI-compatible /v1 routes of `radixlm serve` (docs/server.md). "
             f"Request bodies are JSON objects of at most {settings.max_request_bytes} bytes; unknown fields are "
-            "a 400 naming them; a field given as null takes its default.")},
+            "a 400 naming them; a field given as null takes its default. One request asks for at most "
+            f"{settings.max_queued_requests} prompts x n (--max-queued-requests), else 400.")},
         "servers": [{"url": "/"}],
         "security": auth,
         "paths": _paths(),
@@ -451,7 +453,7 @@ def openapi_spec(settings: ServerSettings) -> dict[str, Any]:
                 "Error": _error(),
                 "SamplingParams": _sampling_params(),
                 "SessionParams": _session_params(),
-                "GenerateRequest": _generate_request(max_top),
+                "GenerateRequest": _generate_request(max_top, settings.max_queued_requests),
                 "GenerateResponse": _generate_response(),
                 "NativeMeta": _native_meta(),
                 "CompletionRequest": _completion_request(max_top),

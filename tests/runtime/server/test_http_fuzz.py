@@ -124,12 +124,17 @@ def bound_work(path: str, body: Any) -> Any:
         elif isinstance(sp, dict) and sp.get("max_new_tokens") is None:
             sp.update(limit)
         elif isinstance(sp, list):
-            body["sampling_params"] = [limit if p is None else {**limit, **{k: v for k, v in p.items() if v is not None}}
-                                       if isinstance(p, dict) else p for p in sp]
+            body["sampling_params"] = [_with_limit(p, limit) for p in sp]
     elif path in ("/v1/completions", "/v1/chat/completions"):
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = MAX_NEW_TOKENS
     return body
+
+
+def _with_limit(p: Any, limit: dict[str, int]) -> Any:
+    if p is None:
+        return limit
+    return {**limit, **{k: v for k, v in p.items() if v is not None}} if isinstance(p, dict) else p
 
 
 def _clamped(body: Any) -> Any:
