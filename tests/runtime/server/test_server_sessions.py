@@ -139,16 +139,22 @@ def test_duplicate_id_capacity_and_closed(server: Server):
 
 def test_session_stats_and_metrics(server: Server):
     sid = _open(server)
-    turns0 = server.metric("radixlm_session_turns_total")
-    server.generate({"input_ids": list(range(300, 340)), "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
-                     "session_params": {"id": sid}})
-    server.generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
-                     "session_params": {"id": sid}})
+    names = ("turns", "cached_tokens", "history_tokens", "turn_hit_ratio_count")
+    before = {n: server.metric(f"radixlm_session_{n}" + ("" if n.endswith("count") else "_total")) for n in names}
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    metas = [server.generate({"input_ids": ids, "sampling_params": params, "session_params": {"id": sid}})["meta_info"]
+             for ids in (list(range(300, 340)), [5, 6])]
+    assert metas[1]["session_history_tokens"] == 43 and metas[1]["cached_tokens"] >= 42
     stats = server.server_info()["stats"]
     assert stats["sessions_open"] >= 1 and stats["session_pinned_tokens"] >= 47
     assert server.metric("radixlm_sessions_open") == stats["sessions_open"]
     assert server.metric("radixlm_session_pinned_tokens") >= 47
-    assert server.metric("radixlm_session_turns_total") == turns0 + 2
+    # per-turn counters: cached and history tokens of exactly these two turns; one hit ratio (turn 2 has history)
+    assert server.metric("radixlm_session_turns_total") == before["turns"] + 2
+    assert server.metric("radixlm_session_cached_tokens_total") == \
+        before["cached_tokens"] + sum(m["cached_tokens"] for m in metas)
+    assert server.metric("radixlm_session_history_tokens_total") == before["history_tokens"] + 43
+    assert server.metric("radixlm_session_turn_hit_ratio_count") == before["turn_hit_ratio_count"] + 1
     assert server.metric("radixlm_session_turn_hit_ratio_bucket", 'le="0.95"') < \
         server.metric("radixlm_session_turn_hit_ratio_bucket", 'le="1.0"')
     pinned = stats["session_pinned_tokens"]
