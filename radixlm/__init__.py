@@ -35,6 +35,7 @@ __all__ = [
     "user",
     "user_begin",
     "user_end",
+    "video",
 ]
 _LAZY = {
     **{name: "radixlm.lang" for name in __all__},

@@ -5,7 +5,8 @@ and the observation goes back into the conversation until the model picks `finis
 
 Tools: a calculator (arithmetic only, evaluated through `ast`, never `eval`) and a small local
 lookup table. The loop reads generated values to decide what to do next, so the interpreter runs
-it step by step (no static graph).
+it step by step (no static graph). The first step must use a tool (`finish` is offered from the
+second step on): the small default model otherwise answers at once, without one.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ SYSTEM = (
 def react(s, question: str, max_steps: int = 3):
     s += rl.system(SYSTEM)
     s += rl.user("Question: " + question)
-    for _ in range(max_steps):
+    for step in range(max_steps):
+        # the first step must consult a tool: the small default model would otherwise answer at once
+        actions = list(TOOLS) if step == 0 else [*TOOLS, "finish"]
         with s.assistant():
-            s += "Action: " + rl.select("action", ["calculator", "lookup", "finish"])
+            s += "Action: " + rl.select("action", actions)
             s += "\nInput: " + rl.gen("input", max_tokens=16, stop="\n")
         if s["action"] == "finish":
             break

@@ -21,6 +21,7 @@ from radixlm.lang.frontend.expr import (
     user,
     user_begin,
     user_end,
+    video,
 )
 from radixlm.lang.frontend.function import SglFunction, arun_graph, function, run_graph
 from radixlm.lang.interpreter.ir import Graph, GraphError
@@ -32,5 +33,5 @@ __all__ = [
     "assistant", "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string",
     "greedy_token_selection", "image", "run_graph", "select", "session", "set_default_backend", "system",
     "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized",
-    "user", "user_begin", "user_end",
+    "user", "user_begin", "user_end", "video",
 ]

@@ -30,6 +30,7 @@ def test_react_agent_runs_tools_and_feeds_observations_back(engine_backend):
     observations = [m["content"] for m in messages if m["content"].startswith("Observation: ")]
     # every tool step but a final finish got exactly the tool's own output back
     tool_turns = [t for t in turns if not t["content"].startswith("Action: finish")]
+    assert tool_turns and turns[0] in tool_turns  # the first step always consults a tool
     assert len(observations) == len(tool_turns)
     for turn, obs in zip(tool_turns, observations):
         action, _, arg = turn["content"][len("Action: "):].partition("\nInput: ")

@@ -98,6 +98,12 @@ def reads_values(s):
     s += " [" + "|".join(b["also"] for b in branches) + "]"
 
 
+@sgl.function
+def with_logprobs(s):
+    s += "The days of the week are Monday, Tuesday,"
+    s += sgl.gen("days", max_tokens=4, ignore_eos=True, return_logprob=True, top_logprobs_num=2)
+
+
 def on_both(engine_backend, endpoint, run: Callable[[Any], Any]) -> Any:
     """run(backend) on the Engine and on the server; the results must be identical."""
     local = run(engine_backend)
@@ -221,3 +227,16 @@ def test_graph_from_json_runs_like_the_program(engine_backend, endpoint):
     st = sgl.run_graph(fork_join.trace().to_json(), backend=endpoint, **GREEDY)
     direct = fork_join.run(backend=engine_backend, **GREEDY)
     assert (st.text(), st["tip"]) == (direct.text(), direct["tip"])
+
+
+def test_gen_logprobs_read_the_same_on_both_backends(engine_backend, endpoint):
+    local, remote = (with_logprobs.run(backend=be, **GREEDY).get_meta_info("days") for be in (engine_backend, endpoint))
+    assert local["finish_reason"] == remote["finish_reason"] == {"type": "length", "length": 4}
+    out, remote_out = local["output_token_logprobs"], remote["output_token_logprobs"]
+    # SGLang's shape on both: [logprob, token_id, text or None]
+    assert len(out) == 4 and all(len(e) == 3 and e[2] is None for e in out)
+    assert [e[1] for e in out] == [e[1] for e in remote_out]
+    assert [e[0] for e in out] == pytest.approx([e[0] for e in remote_out], abs=1e-4)
+    tops = [[e[1] for e in step] for step in local["output_top_logprobs"]]
+    assert tops == [[e[1] for e in step] for step in remote["output_top_logprobs"]]
+    assert all(len(step) == 2 for step in tops) and [t[0] for t in tops] == [e[1] for e in out]  # greedy

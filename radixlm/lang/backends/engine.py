@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixlm.lang.backends.base import (
     Backend,
@@ -57,13 +58,13 @@ class _EngineConnection(Connection):
             req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
             session_params=req.session)
         outs = out if isinstance(out, list) else [out]
-        return [GenOutput(o["text"], o["meta_info"]) for o in outs]
+        return [GenOutput(o["text"], server_shaped(o["meta_info"])) for o in outs]
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
         async for chunk in self.engine.async_stream(
                 req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
                 session_params=req.session):
-            yield StreamChunk(chunk["text"], chunk["meta_info"] if chunk["finished"] else None)
+            yield StreamChunk(chunk["text"], server_shaped(chunk["meta_info"]) if chunk["finished"] else None)
 
     async def prefill(self, text: str) -> int:
         out = await self.engine.async_generate(text, {"max_new_tokens": 0})
@@ -78,3 +79,28 @@ class _EngineConnection(Connection):
             outs = await self.engine.async_generate(None, params, input_ids=[list(p) for p in prompts],
                                                     return_logprob=True, logprob_start_len=start)
         return [[(lp, tok) for lp, tok in o["meta_info"]["input_token_logprobs"]] for o in outs]
+
+
+def server_shaped(meta: dict[str, Any]) -> dict[str, Any]:
+    """The Engine's meta info in the shape a server's /generate answers (SGLang's), so a program
+    reads the same meta on every backend: logprobs as ``[logprob, token_id, None]`` (-inf as
+    -9999.0) and a length finish with its length."""
+    def triples(entries: Any) -> list[list[Any]]:
+        return [[_finite(lp), tid, None] for lp, tid in entries]
+
+    out = dict(meta)
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if key in out:
+            out[key] = triples(out[key])
+    if "output_top_logprobs" in out:
+        out["output_top_logprobs"] = [triples(step) for step in out["output_top_logprobs"]]
+    reason = out.get("finish_reason")
+    if isinstance(reason, dict) and reason.get("type") == "length":
+        out["finish_reason"] = {**reason, "length": out.get("completion_tokens", 0)}
+    return out
+
+
+def _finite(lp: float | None) -> float | None:
+    if lp is None or math.isnan(lp):
+        return None
+    return lp if math.isfinite(lp) else (-9999.0 if lp < 0 else 9999.0)

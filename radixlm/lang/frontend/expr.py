@@ -91,7 +91,7 @@ def gen(
     ``choices`` makes this a select().
     """
     if choices is not None:
-        return select(name, choices, choices_method)
+        return select(name, choices, choices_method=choices_method)
     sampling = SamplingArgs(
         max_new_tokens=max_tokens, min_new_tokens=min_tokens,
         stop=stop if stop is None or isinstance(stop, str) else tuple(stop),
@@ -116,9 +116,15 @@ def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
     return gen(name, dtype=str, **kwargs)
 
 
-def select(name: str | None = None, choices: Sequence[str] | None = None,
+def select(name: str | None = None, choices: Sequence[str] | None = None, temperature: float = 0.0,
            choices_method: ChoicesMethod | str = token_length_normalized) -> Expr:
-    """Append the choice the model scores highest after the state's text; store it in ``name``."""
+    """Append the choice the model scores highest after the state's text; store it in ``name``.
+
+    ``temperature`` is in SGLang's place in the signature; choices are scored deterministically,
+    so only 0 is taken."""
+    if temperature != 0:
+        raise ValueError(f"select scores every choice and picks the best one deterministically, so only "
+                         f"temperature=0 is taken (got {temperature!r})")
     if not choices:
         raise ValueError("select needs a non-empty list of choices")
     if not all(isinstance(c, str) and c for c in choices):
@@ -208,3 +214,10 @@ def image(path: str) -> Expr:
     raise NotImplementedError(
         "image() is not supported: radixlm serves text-only (Llama-family) models, so programs "
         "cannot include images")
+
+
+def video(path: str, num_frames: int = 0) -> Expr:
+    """Not supported: radixlm serves text-only models."""
+    raise NotImplementedError(
+        "video() is not supported: radixlm serves text-only (Llama-family) models, so programs "
+        "cannot include videos")

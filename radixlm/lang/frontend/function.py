@@ -97,12 +97,15 @@ class SglFunction:
 
     # -- batches -------------------------------------------------------------------------------
     def run_batch(self, batch: Sequence[dict[str, Any] | Sequence[Any]], *, backend: Any = None,
-                  concurrency: int = DEFAULT_CONCURRENCY, num_threads: int | None = None,
+                  concurrency: int = DEFAULT_CONCURRENCY, num_threads: int | str | None = None,
                   progress_bar: bool = False, **defaults: Any) -> list[ProgramState]:
         """Run the program once per item (a dict of keyword arguments, or a list of positional
-        ones), at most ``concurrency`` at a time (``num_threads`` is SGLang's name for it).
-        A failing program does not stop the others: its state's ``error()`` holds the exception."""
+        ones), at most ``concurrency`` at a time (``num_threads`` is SGLang's name for it; its
+        ``"auto"`` leaves ``concurrency``). A failing program does not stop the others: its state's
+        ``error()`` holds the exception."""
         _no_running_loop("run_batch")
+        if num_threads == "auto":
+            num_threads = None
         return asyncio.run(self.arun_batch(batch, backend=backend, concurrency=num_threads or concurrency,
                                            progress_bar=progress_bar, **defaults))
 
