@@ -15,6 +15,12 @@ def test_select_takes_sglang_positional_temperature_zero_only():
         sgl.select("x", ["a", "b"], 0.7)
 
 
+def test_gen_arguments_after_min_tokens_are_keyword_only():
+    assert sgl.gen("x", 16, 2).nodes[0].sampling.min_new_tokens == 2
+    with pytest.raises(TypeError, match="positional"):
+        sgl.gen("x", 16, None, 2)  # SGLang reads this 2 as n, older SGLang as stop
+
+
 @pytest.mark.parametrize("name", ["image", "video"])
 def test_image_and_video_say_they_are_not_supported(name):
     with pytest.raises(NotImplementedError, match=f"{name}\\(\\) is not supported: radixlm serves text-only"):

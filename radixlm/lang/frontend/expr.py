@@ -63,6 +63,7 @@ def gen(
     name: str | None = None,
     max_tokens: int | None = None,
     min_tokens: int | None = None,
+    *,  # SGLang's positional order differs across its versions: the rest is keyword-only
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     temperature: float | None = None,
