@@ -14,12 +14,18 @@ class KVPool:
         if num_slots < 1:
             raise ValueError(f"the KV pool needs at least 1 token slot, got {num_slots}")
         shape = (arch.num_layers, num_slots + 1, arch.num_kv_heads, arch.head_dim)
-        # Left uninitialised (zeroing gigabytes costs seconds): attention reads only slots that
-        # were written, plus the zeroed padding slot 0 where a padded index points.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.k[:, 0].zero_()
-        self.v[:, 0].zero_()
+        if self.k.device.type == "cpu":
+            # Host memory is only committed when first written: without this the pool would grow
+            # the process's RSS by up to its whole size under load, long after the pool was sized
+            # from the memory free at start (which others may have taken by then: an OOM kill
+            # mid-load instead of a failure at start). One memset of the pool, ~0.2 s per GB.
+            self.k.zero_()
+            self.v.zero_()
+        else:  # device memory is committed at allocation; attention reads only written slots
+            self.k[:, 0].zero_()  # and the padding slot 0, where a padded index points
+            self.v[:, 0].zero_()
         self.num_slots = num_slots
 
     @staticmethod

@@ -6,6 +6,7 @@ full answers or 429s, never a lost request, and retracted requests resume with i
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ def one_thread(monkeypatch):
 def _soak_module():
     spec = importlib.util.spec_from_file_location("soak", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module
 
