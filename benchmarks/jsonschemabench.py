@@ -182,7 +182,7 @@ def random_walk(matcher: Any, decoded: list[bytes], stop: int, rng: np.random.Ge
             allowed = np.flatnonzero(structural >= 0)
         if stop in allowed and (len(allowed) == 1 or rng.random() < 0.5):
             assert matcher.accept(stop)
-            return out.decode("utf-8", errors="replace")
+            return out.decode("utf-8", errors="surrogateescape")  # json.loads refuses bad bytes
         allowed = allowed[allowed != stop]
         if not len(allowed):
             return None
@@ -317,7 +317,8 @@ def _worker(conn: Connection, backends: tuple[str, ...], walks: int) -> None:
         task = conn.recv()
         if task is None:
             return
-        backend, file, row = task
+        backend, file, row, walk = task
+        checker.walks = walks if walk else 0
         conn.send(asdict(checker.check(backend, file, row)))
 
 
@@ -333,12 +334,12 @@ def _rss_bytes(pid: int) -> int:
 class _Slot:
     proc: mp.Process
     conn: Connection
-    task: tuple[str, str, dict] | None = None
+    task: tuple[str, str, dict, bool] | None = None
     started: float = 0.0
     ready: bool = False
 
 
-def run_pool(tasks: list[tuple[str, str, dict]], backends: tuple[str, ...], workers: int,
+def run_pool(tasks: list[tuple[str, str, dict, bool]], backends: tuple[str, ...], workers: int,
              timeout_s: float, max_rss: int, walks: int = 0) -> Iterator[dict]:
     """Yield one result dict per task, from ``workers`` processes; a task past ``timeout_s``
     (counted once its worker is ready) or ``max_rss`` bytes kills its worker (restarted)."""
@@ -385,7 +386,7 @@ def run_pool(tasks: list[tuple[str, str, dict]], backends: tuple[str, ...], work
             elif not slot.proc.is_alive():
                 why = f"crash: exit code {slot.proc.exitcode}"
             if why:
-                backend, file, row = slot.task
+                backend, file, row = slot.task[:3]
                 slot.proc.kill()
                 slot.proc.join()
                 pending -= 1
@@ -477,6 +478,8 @@ def main() -> None:
                     help="outlines runs on every K-th schema of each file (its index build is slow)")
     ap.add_argument("--walks", type=int, default=0,
                     help="random-walk outputs per compiled schema, validated with jsonschema")
+    ap.add_argument("--walk-every", type=int, default=1,
+                    help="random walks on every K-th schema of each file (each needs a second compile)")
     ap.add_argument("--max-rss-mib", type=int, default=3072, help="memory cap per worker")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "jsonschemabench.json")
     args = ap.parse_args()
@@ -488,7 +491,7 @@ def main() -> None:
             ap.error(f"unknown backend {b!r}; choose from {sorted(BACKEND_CONFIGS)}")
     files = [f for f in args.files.split(",") if f]
     tasks = [
-        (b, f, row)
+        (b, f, row, i % args.walk_every == 0)
         for f in files
         for i, row in enumerate(load_rows(args.data_dir, f, args.limit))
         for b in backends

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
+import numpy as np
+
 from radixlm.runtime.constrained.limits import SpecLimits, check_spec
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema, prepare_json_schema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
@@ -199,8 +201,6 @@ class TokenBan:
     __slots__ = ("ids", "_words", "_keep", "_torch")
 
     def __init__(self, ids: frozenset[int]) -> None:
-        import numpy as np
-
         self.ids = ids
         words: dict[int, int] = {}
         for t in ids:
@@ -210,16 +210,11 @@ class TokenBan:
         self._keep = np.array([~words[w] & 0xFFFFFFFF for w in sorted(words)], dtype=np.uint32).view(np.int32)
         self._torch: tuple[Any, Any] | None = None
 
-    @classmethod
-    def json_control_bytes(cls, decoded: Sequence[bytes]) -> TokenBan:
-        bad = set(range(0x20)) - {0x0A, 0x0D}
-        return cls(frozenset(t for t, b in enumerate(decoded) if bad.intersection(b)))
-
     def apply(self, row: Any) -> None:
         """Clear the banned tokens' bits in ``row`` (numpy or torch int32, 1-D)."""
         if not len(self._words):
             return
-        if isinstance(row, __import__("numpy").ndarray):
+        if isinstance(row, np.ndarray):
             row[self._words] &= self._keep
             return
         if self._torch is None:
@@ -229,34 +224,75 @@ class TokenBan:
         words, keep = self._torch
         row[words] &= keep
 
+    @classmethod
+    def json_control_bytes(cls, decoded: Sequence[bytes]) -> TokenBan:
+        bad = set(range(0x20)) - {0x0A, 0x0D}
+        return cls(frozenset(t for t, b in enumerate(decoded) if bad.intersection(b)) | _surrogate_ids(decoded))
+
+    @classmethod
+    def surrogates(cls, decoded: Sequence[bytes]) -> TokenBan:
+        return cls(_surrogate_ids(decoded))
+
+
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _surrogate_ids(decoded: Sequence[bytes]) -> frozenset[int]:
+    return frozenset(t for t, b in enumerate(decoded) if _SURROGATE.search(b))
+
+
+@dataclass(frozen=True)
+class ByteRules:
+    """What a grammar engine gets wrong at the byte level, fixed around its matcher.
+
+    xgrammar accepts the UTF-8 encoding of surrogates (ED A0..BF ..), which is not UTF-8: the
+    detokenized text would hold U+FFFD there (one per byte), breaking lengths and patterns.
+    Tokens holding such a sequence are banned (``ban``); after a token that ends in a lone
+    0xED, tokens starting with a byte A0..BF are (``after_ed``)."""
+
+    ban: TokenBan
+    after_ed: TokenBan
+    ends_ed: frozenset[int]
+
+    @classmethod
+    def build(cls, decoded: Sequence[bytes], ban: TokenBan) -> ByteRules:
+        return cls(ban, TokenBan(frozenset(t for t, b in enumerate(decoded) if b and 0xA0 <= b[0] <= 0xBF)),
+                   frozenset(t for t, b in enumerate(decoded) if b.endswith(b"\xed")))
 
 class XGrammarMatcher:
     """One request's xgrammar matcher state."""
 
-    __slots__ = ("_m", "vocab_size", "_ban")
+    __slots__ = ("_m", "vocab_size", "_rules", "_ends_ed")
 
-    def __init__(self, matcher: Any, vocab_size: int, ban: TokenBan | None = None) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, rules: ByteRules | None = None) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
-        self._ban = ban
+        self._rules = rules
+        self._ends_ed: list[bool] = [False]  # per accepted token: the output ends in a lone 0xED
 
     def fill_mask(self, bitmask_row: Any) -> bool:
         """Write the allowed next tokens into ``bitmask_row`` (1-D int32, CPU).
 
         Returns False when every token is allowed (the row need not be applied)."""
         need = bool(self._m.fill_next_token_bitmask(bitmask_row.reshape(1, -1)))
-        if self._ban is None:
+        if self._rules is None:
             return need
         if not need:
             bitmask_row[...] = -1
-        self._ban.apply(bitmask_row)
+        self._rules.ban.apply(bitmask_row)
+        if self._ends_ed[-1]:
+            self._rules.after_ed.apply(bitmask_row)
         return True
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""
-        if self._ban is not None and token in self._ban.ids:
+        rules = self._rules
+        if rules is not None and (token in rules.ban.ids or (self._ends_ed[-1] and token in rules.after_ed.ids)):
             return False
-        return bool(self._m.accept_token(int(token)))
+        if not self._m.accept_token(int(token)):
+            return False
+        self._ends_ed.append(rules is not None and token in rules.ends_ed)
+        return True
 
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens."""
@@ -264,6 +300,7 @@ class XGrammarMatcher:
             raise ValueError(f"rollback count must be >= 0, got {n}")
         if n:
             self._m.rollback(n)
+            del self._ends_ed[-n:]
 
     def forced_text(self) -> str:
         """The text the grammar forces next ('' when the next character is a choice)."""
@@ -279,17 +316,17 @@ class XGrammarMatcher:
 
 
 class XGrammarGrammar:
-    __slots__ = ("kind", "vocab_size", "_compiled", "_xgr", "_ban")
+    __slots__ = ("kind", "vocab_size", "_compiled", "_xgr", "_rules")
 
-    def __init__(self, kind: str, compiled: Any, vocab_size: int, xgr: Any, ban: TokenBan | None = None) -> None:
+    def __init__(self, kind: str, compiled: Any, vocab_size: int, xgr: Any, rules: ByteRules | None = None) -> None:
         self.kind = kind
         self.vocab_size = vocab_size
         self._compiled = compiled
         self._xgr = xgr
-        self._ban = ban
+        self._rules = rules
 
     def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(self._compiled), self.vocab_size, self._ban)
+        return XGrammarMatcher(self._xgr.GrammarMatcher(self._compiled), self.vocab_size, self._rules)
 
 
 @dataclass(frozen=True)
@@ -375,14 +412,15 @@ class XGrammarBackend(CachedGrammarBackend):
             add_prefix_space=False,
         )
         self.tokenizer_info = info
-        self._json_ban = TokenBan.json_control_bytes(vocab.decoded)
+        self._json_rules = ByteRules.build(vocab.decoded, TokenBan.json_control_bytes(vocab.decoded))
+        self._text_rules = ByteRules.build(vocab.decoded, TokenBan.surrogates(vocab.decoded))
         self._compiler = xgr.GrammarCompiler(
             info, max_threads=self.config.compile_threads, cache_enabled=False
         )
 
     def _compile_uncached(self, kind: str, norm: Any) -> XGrammarGrammar:
-        ban = self._json_ban if kind == "json_schema" else None
-        return XGrammarGrammar(kind, self._compile_engine(kind, norm), self.vocab_size, self._xgr, ban)
+        rules = self._json_rules if kind == "json_schema" else self._text_rules
+        return XGrammarGrammar(kind, self._compile_engine(kind, norm), self.vocab_size, self._xgr, rules)
 
     def _compile_engine(self, kind: str, norm: Any) -> Any:
         c = self._compiler

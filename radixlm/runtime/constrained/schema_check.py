@@ -79,6 +79,9 @@ REFUSED = {
 # compile with their own error).
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 _LEGACY_DRAFT = re.compile(r"draft-0[3-7]/")
+# A pattern that is one single-character atom, repeated: [class], \d-like escape, or '.'
+_ONE_ATOM = re.compile(r"\^?(?P<atom>\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.)"
+                       r"(?P<rep>[+*]|\{\d+(?:,\d*)?\})\$?")
 
 
 def prepare_json_schema(schema: Any) -> Any:
@@ -425,8 +428,17 @@ class _Checker:
             node.clear()
             node.update(merged)
             return self.node(node, path)
-        originals = copy.deepcopy(branches)
-        node[kind] = [self.node(b, f"{path}/{kind}/{i}") for i, b in enumerate(branches)]
+        originals, prepared = [], []
+        for i, b in enumerate(branches):
+            before = copy.deepcopy(b)
+            try:
+                prepared.append(self.node(b, f"{path}/{kind}/{i}"))
+            except _Unsatisfiable:
+                continue  # a branch no value fits never matches: leave it out
+            originals.append(before)
+        if not prepared:
+            raise self.unsat(path, f"every {kind} branch")
+        node[kind] = prepared
         if kind == "oneOf":
             for i, gen in enumerate(node[kind]):
                 for j, other in enumerate(originals):
@@ -466,6 +478,8 @@ class _Checker:
         return node
 
     def string(self, node: dict[str, Any], path: str) -> None:
+        if "pattern" in node and ("minLength" in node or "maxLength" in node) and "format" not in node:
+            self.length_into_pattern(node, path)
         lengths = [k for k in ("minLength", "maxLength") if k in node]
         for k in ("pattern", "format"):
             if k in node and lengths:
@@ -474,6 +488,32 @@ class _Checker:
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             self.pattern(pattern, path)
+
+    def length_into_pattern(self, node: dict[str, Any], path: str) -> None:
+        """``[a-z]+`` with maxLength 12 -> ``^[a-z]{1,12}$``: one repeated single-character atom
+        carries the length in its repeat count (xgrammar ignores a length beside a pattern).
+        The new pattern is matched whole, so its strings also match the original (searched)."""
+        m = _ONE_ATOM.fullmatch(node["pattern"]) if isinstance(node["pattern"], str) else None
+        lo_len, hi_len = node.get("minLength", 0), node.get("maxLength")
+        if m is None or isinstance(lo_len, bool) or not isinstance(lo_len, int) or (
+                hi_len is not None and (isinstance(hi_len, bool) or not isinstance(hi_len, int))):
+            return
+        atom, rep = m.group("atom"), m.group("rep")
+        if rep == "+":
+            lo, hi = 1, None
+        elif rep == "*":
+            lo, hi = 0, None
+        else:
+            lo_s, comma, hi_s = rep[1:-1].partition(",")
+            lo = int(lo_s)
+            hi = int(hi_s) if hi_s else (None if comma else lo)
+        lo = max(lo, lo_len)
+        hi = hi_len if hi is None else (hi if hi_len is None else min(hi, hi_len))
+        if hi is not None and lo > hi:
+            raise self.unsat(path, "the pattern's repeat count and minLength/maxLength do not overlap")
+        node["pattern"] = f"^{atom}{{{lo},{'' if hi is None else hi}}}$"
+        node.pop("minLength", None)
+        node.pop("maxLength", None)
 
     def pattern(self, pattern: str, path: str) -> None:
         if _LOOKAROUND.search(pattern):

@@ -35,7 +35,7 @@ def backend(vocab):
     ({"type": "array", "contains": {"const": 5}}, "the keyword 'contains'"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf' whose branches 0 and 1 may both match"),
     ({**OBJ, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}, "'oneOf' whose branches 0 and 1"),
-    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "maxLength together with 'pattern'"),
+    ({"type": "string", "pattern": "^a[b-z]+$", "maxLength": 3}, "maxLength together with 'pattern'"),
     ({"type": "string", "format": "date", "minLength": 3}, "minLength together with 'format'"),
     ({"type": "string", "pattern": "^(?!a)[a-z]+$"}, "lookaround assertions"),
     ({"type": "string", "pattern": "a^b"}, "'^' or '$' inside the pattern"),
@@ -90,6 +90,9 @@ def test_rewrites_only_narrow():
     # a required property the schema does not list gets the additionalProperties schema
     got = prepare_json_schema({"type": "object", "required": ["z"], "additionalProperties": {"type": "null"}})
     assert got["properties"] == {"z": {"type": "null"}}
+    # a length beside a pattern of one repeated character class goes into the repeat count
+    got = prepare_json_schema({"type": "string", "pattern": "[0-9a-f]+", "minLength": 2, "maxLength": 4})
+    assert got == {"type": "string", "pattern": "^[0-9a-f]{2,4}$"}
     # an optional property no value fits is left out
     got = prepare_json_schema({"type": "object", "properties": {"a": {"type": "object", "enum": ["x"]}, "b": {}}})
     assert list(got["properties"]) == ["b"]
@@ -133,6 +136,23 @@ def test_outputs_that_broke_before_are_refused_now(backend, smol_tokenizer, sche
     assert _feed(m, _ids(smol_tokenizer, output) + [smol_tokenizer.eos_token_id]) is not None
 
 
+def test_surrogates_never_generated(backend, vocab, width):
+    # xgrammar takes ED A0..BF (a UTF-8-encoded surrogate, not UTF-8); the text would decode to
+    # U+FFFD per byte and break a maxLength. Banned inside a token and across two tokens.
+    lone_ed = next(t for t, b in enumerate(vocab.decoded) if b == b"\xed")
+    cont = next(t for t, b in enumerate(vocab.decoded) if b == b"\xb4")
+    ok_cont = next(t for t, b in enumerate(vocab.decoded) if b == b"\x9f")
+    for kind, spec, opening in (("json_schema", {"type": "string", "maxLength": 3}, b'"'), ("regex", ".*", None)):
+        m = backend.compile(kind, spec).new_matcher()
+        if opening is not None:
+            assert m.accept(vocab.decoded.index(opening))
+        assert m.accept(lone_ed)
+        assert cont not in _mask(m, width) and not m.accept(cont)
+        assert ok_cont in _mask(m, width) and m.accept(ok_cont)  # ED 9F .. is U+D7C0..: fine
+        m.rollback(2)
+        assert m.accept(lone_ed) and not m.accept(cont)
+
+
 def test_raw_control_characters_never_allowed_in_json(backend, smol_tokenizer, width):
     # xgrammar's length-limited string lets a raw tab through; JSON forbids it.
     m = backend.compile("json_schema", {"type": "string", "maxLength": 5}).new_matcher()
@@ -162,7 +182,9 @@ WALKED = [
                 "required": ["k", "n"]},
                {"type": "object", "properties": {"k": {"const": "b"}, "s": {"type": "string", "maxLength": 3}},
                 "required": ["k"]}]},
-    {"type": "object", "properties": {"p": {"type": "string", "pattern": "^[a-c]+x$"}}, "required": ["p"],
+    {"type": "object", "properties": {"p": {"type": "string", "pattern": "^[a-c]+x$"},
+                                      "q": {"type": "string", "pattern": "^[^a]*$", "minLength": 2, "maxLength": 3}},
+     "required": ["p", "q"],
      "additionalProperties": {"type": "boolean"}, "maxProperties": 3},
     {"allOf": [{"type": "object", "properties": {"a": {"type": "array", "items": {"type": "number", "minimum": 1.5},
                                                        "minItems": 1, "maxItems": 3}}},
