@@ -111,8 +111,7 @@ class ServerContext:
         while self._restarts and time.monotonic() - self._restarts[0] > s.restart_window:
             self._restarts.popleft()
         if len(self._restarts) >= s.max_restarts:
-            return (f"it was restarted {len(self._restarts)} times within {s.restart_window:.0f} s "
-                    f"(--max-restarts {s.max_restarts})")
+            return f"--max-restarts {s.max_restarts} reached ({len(self._restarts)} in the last {s.restart_window:.0f} s)"
         return None
 
     async def drain(self, grace: float) -> bool:

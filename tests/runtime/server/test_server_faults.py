@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 
 WRITE_TIMEOUT_S = 2
 GREEDY = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
-# Every chunk of a native stream repeats the output so far with 20 top logprobs per token, so a
-# client that reads nothing fills the socket buffers within a few dozen tokens.
-STUCK = {"text": "Write a long story.", "stream": True, "return_logprob": True, "top_logprobs_num": 20,
+# Every chunk of a native stream repeats the output so far with 200 top logprobs per token, so a
+# client that reads nothing fills the socket buffers (a few MB on loopback) within a few dozen tokens.
+STUCK = {"text": "Write a long story.", "stream": True, "return_logprob": True, "top_logprobs_num": 200,
          "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
 LONG = {"text": "Count to a thousand.", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
 DEADLINE_S = 300.0  # polls give up after this (the machine may be shared and slow); never a sleep
@@ -34,7 +34,7 @@ DEADLINE_S = 300.0  # polls give up after this (the machine may be shared and sl
 def server():
     # fp32: greedy outputs are then identical batched or alone (the reference runs alone)
     s = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--restart-on-failure", "--max-restarts", "1",
-                     "--stream-write-timeout", str(WRITE_TIMEOUT_S))
+                     "--stream-write-timeout", str(WRITE_TIMEOUT_S), "--max-top-logprobs", "200")
     yield s
     assert s.stop() == 0  # also with its engine dead
 
