@@ -12,8 +12,6 @@ same text as before the fuzzing. Generated values that would only make a run lon
 from __future__ import annotations
 
 import copy
-import json
-import time
 from collections import Counter
 from typing import Any
 
