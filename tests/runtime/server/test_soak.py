@@ -36,7 +36,7 @@ def test_soak_mixed_load_leaves_nothing_behind():
     soak = _soak_module()
     server = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--debug-routes", "true")
     try:
-        r = soak.soak(server.url, 160, 12, seed=3, max_new=6, warmup=16, replay_limit=40)
+        r = soak.soak(server.url, 140, 12, seed=3, max_new=6, warmup=16, replay_limit=30)
     finally:
         assert server.stop() == 0
     assert r["num_errors"] == 0, r["errors"]
@@ -47,20 +47,20 @@ def test_soak_mixed_load_leaves_nothing_behind():
         assert checks["running_requests"] == 0
         assert checks["before_flush"]["ok"], checks["before_flush"]["errors"]
         assert checks["no_leak"] and checks["all_free_after_flush"], checks
-    assert r["replay"]["compared"] >= 20 and r["replay"]["mismatches"] == []
+    assert r["replay"]["compared"] == 30 and r["replay"]["mismatches"] == []
 
 
 def test_overload_3x_pool_answers_or_429s_and_resumes_identically():
     soak = _soak_module()
-    server = start_server("--dtype", "float32", "--max-total-tokens", "512", "--max-queued-requests", "16",
+    server = start_server("--dtype", "float32", "--max-total-tokens", "384", "--max-queued-requests", "16",
                           "--debug-routes", "true")
     try:
-        r = soak.overload(server.url, factor=3.0, prompt_len=32, output_len=32, replay_limit=8)
+        r = soak.overload(server.url, factor=3.0, prompt_len=24, output_len=24, replay_limit=6)
     finally:
         assert server.stop() == 0
     assert r["overload_factor"] >= 3.0
     assert r["lost"] == [] and r["full_answers"] + r["rejected_429"] == r["requests"]
     assert r["rejected_429"] >= 1 and r["full_answers"] >= 1
     assert r["retractions"] > 0 and r["retracted_requests"] > 0
-    assert r["mismatches"] == [] and r["compared_alone"] >= 8  # every retracted request is compared
+    assert r["mismatches"] == [] and r["compared_alone"] >= 6  # every retracted request is compared
     assert r["checks"]["no_leak"] and r["checks"]["all_free_after_flush"], r["checks"]
