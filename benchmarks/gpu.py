@@ -2,7 +2,8 @@
 
 - HBM copy bandwidth measured here, and the bs1 decode roofline it implies (weight bytes plus
   KV bytes read per token over that bandwidth);
-- decode output tok/s at batch 1/8/32/64/128 (input 128, output 256), triton attention + CUDA graphs;
+- decode output tok/s at batch 1/8/32/64/128 (input 128, output 256), triton attention + CUDA graphs
+  + the overlap schedule, and at batch 1 and 64 with the overlap schedule off;
 - prefill tok/s at 1k/4k/8k tokens;
 - HF transformers `generate` on the same config (random weights) at batch 1 and 64, and HF
   prefill;
@@ -238,6 +239,10 @@ def main() -> None:
     for bs in DECODE_BS:
         res["decode_tok_s"][bs] = v = decode_tok_s(engine, bs)
         log(f"decode bs{bs} tok/s", f"{v:.1f}")
+    engine.core.overlap = False  # the same steps without the overlap schedule, for comparison
+    res["decode_tok_s_no_overlap"] = {bs: decode_tok_s(engine, bs) for bs in (1, 64)}
+    engine.core.overlap = True
+    log("decode bs1/bs64 tok/s, overlap off", [f"{v:.1f}" for v in res["decode_tok_s_no_overlap"].values()])
     res["graph_step_ms_bs1"] = graph_step_ms(engine, 1)
     log("bs1 graph replay ms", f"{res['graph_step_ms_bs1']:.3f}")
     for n in PREFILL_LENS:
@@ -294,6 +299,8 @@ def print_table(r: dict[str, Any]) -> None:
         extra = f"{v / roof:>8.1%} of roofline" if bs == 1 else ""
         lines.append(f"{f'decode bs{bs} out tok/s (in {IN_LEN}, out {OUT_LEN})':<34}{v:>12.1f}"
                      + (f"{hf:>12.1f}{v / hf:>8.1f}x" if hf else f"{'':>12}{'':>9}") + extra)
+    for bs, v in r["decode_tok_s_no_overlap"].items():
+        lines.append(f"{f'decode bs{bs}, overlap schedule off':<34}{v:>12.1f}")
     for n, v in r["prefill_tok_s"].items():
         hf = r["hf_prefill_tok_s"][n]
         lines.append(f"{f'prefill {n} tok/s':<34}{v:>12.0f}{hf:>12.0f}{v / hf:>8.2f}x")

@@ -80,6 +80,9 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
+    # Greedy decode steps are queued one step ahead of the host's work on the last step's tokens
+    # (detokenizing, stop checks), so the device never waits for it; None: on with CUDA only.
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_prefill_tokens", "lpm_max_queue"):

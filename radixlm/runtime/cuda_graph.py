@@ -77,14 +77,17 @@ class DecodeGraphs:
         self.graphs[bs] = (graph, logits)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], rows: list[int],
-            kv_lens: list[int]) -> torch.Tensor:
+            kv_lens: list[int], ids_device: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per sequence (len(ids) <= max_bs); fp32 logits [len(ids), vocab],
-        valid until the next replay."""
+        valid until the next replay. `ids_device` (int64 [len(ids)] on the GPU) replaces `ids`:
+        tokens sampled by a step still in flight."""
         bs = len(ids)
         bucket = self.buckets[bisect_left(self.buckets, bs)]
         pad = self._padding(bucket - bs)
         host = torch.tensor([c + p for c, p in zip((ids, positions, slots, rows, kv_lens), pad)], dtype=torch.int64)
         self.inputs[:, :bucket].copy_(host)
+        if ids_device is not None:
+            self.inputs[0, :bs].copy_(ids_device)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:bs]

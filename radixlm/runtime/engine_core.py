@@ -20,7 +20,8 @@ from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
 from radixlm.runtime.constrained.grammar import Grammar, GrammarMatcher
 from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
-from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample
+from radixlm.runtime.batch import SeqStep
+from radixlm.runtime.kernels.sampling import SampleOutput, SamplingBatch, make_generator, sample
 from radixlm.runtime.cuda_graph import graph_buckets
 from radixlm.runtime.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.model.loader import build_model
@@ -28,7 +29,7 @@ from radixlm.runtime.model.source import ModelSource, resolve_model
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.radix_cache import CACHES, SlotAllocator
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import Request, Scheduled, Scheduler
+from radixlm.runtime.scheduler import Request, Scheduled, Scheduler, Status
 from radixlm.runtime.sessions import SessionManager, SessionParams, prepended_bos
 from radixlm.runtime.stop import StopMatcher
 
@@ -58,6 +59,15 @@ class RequestOutput:
         if self.replace_from is not None:
             del ids[self.replace_from :]
         ids.extend(self.token_ids_delta)
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A greedy decode step queued on the device before the host saw the previous step's
+    tokens (the overlap schedule): its requests and its argmax tokens, still on the device."""
+
+    scheduled: list[Scheduled]
+    tokens: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -125,6 +135,8 @@ class EngineCore:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         self.tracks: dict[str, _Track] = {}
+        self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
+        self._ahead: _Ahead | None = None
         self._grammars: GrammarService | None = None
         self._compiling: dict[str, Future[Grammar]] = {}
         self.grammar_seconds = 0.0  # masks, accepts and jumps, for the per-token grammar cost
@@ -245,7 +257,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._compiling)
+        return self.scheduler.has_work or bool(self._compiling) or self._ahead is not None
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is ready join the scheduler; a failed compile fails its request
@@ -273,6 +285,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled() if self._compiling else []
         self.sessions.expire()
+        if self._ahead is not None:
+            return failed + self._step_ahead()
         scheduled = self.scheduler.schedule()  # unpins sessions, oldest first, when work would not fit
         if not scheduled:
             return failed + self._drain_finished_without_step()
@@ -293,7 +307,7 @@ class EngineCore:
             off += k
         outputs: list[RequestOutput] = []
         if samplers:
-            outputs = self._sample_and_append(logits[sample_rows], samplers)
+            outputs = self._sample_and_append(logits[sample_rows], samplers, len(samplers) == len(scheduled))
         self.scheduler.end_step(scheduled)
         outputs += self._drain_finished_without_step(skip={o.rid for o in outputs})
         return failed + outputs
@@ -310,7 +324,10 @@ class EngineCore:
         picked = lp[torch.arange(len(targets)), torch.tensor(targets)].tolist()
         track.input_logprobs.extend(zip(picked, targets))
 
-    def _sample_and_append(self, logits: torch.Tensor, samplers: list[Scheduled]) -> list[RequestOutput]:
+    def _sample_and_append(self, logits: torch.Tensor, samplers: list[Scheduled],
+                           whole_step: bool = False) -> list[RequestOutput]:
+        if whole_step and self._can_look_ahead(samplers):
+            return self._append_and_look_ahead(samplers, logits.argmax(dim=-1))
         tracks = [self.tracks[s.req.rid] for s in samplers]
         params = [t.req.params for t in tracks]
         blocks = [  # a grammar, not min_new_tokens, decides where constrained output may end
@@ -330,6 +347,10 @@ class EngineCore:
         )
         want_lp = any(t.return_logprob for t in tracks)
         out = sample(logits, batch, [t.top_logprobs_num if t.return_logprob else 0 for t in tracks], want_lp)
+        return self._append(tracks, out)
+
+    def _append(self, tracks: list[_Track], out: SampleOutput) -> list[RequestOutput]:
+        """Each request's sampled token: grammar, text, stops, finishing."""
         now = time.perf_counter()
         results = []
         for i, (track, tok) in enumerate(zip(tracks, out.token_ids)):
@@ -346,6 +367,64 @@ class EngineCore:
                     track.output_top_logprobs.append([(lp, t) for t, lp in out.top_logprobs[i]])
             results.append(self._advance_text(track, tok))
         return results
+
+    # -- the overlap schedule -----------------------------------------------------------
+    def _can_look_ahead(self, step: list[Scheduled]) -> bool:
+        """Whether the next step of these decoding requests can be queued before their tokens
+        reach the host: every running request decodes here, nothing waits to be admitted, and
+        each request's next token is a plain argmax (greedy, no penalties over its output, no
+        grammar, logprobs or min_new_tokens block) that cannot be its last by length."""
+        if not self.overlap or self.scheduler.waiting or self._compiling or len(step) != len(self.scheduler.running):
+            return False
+        for s in step:
+            req, track = s.req, self.tracks[s.req.rid]
+            p = req.params
+            if (s.prefill or not s.samples or len(s.seq.token_ids) != 1 or req.rewrite_row
+                    or track.matcher is not None or track.return_logprob or not p.is_greedy
+                    or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                    or len(req.output_ids) + 1 < p.min_new_tokens or req.remaining_new_tokens() < 2
+                    or req.fill_len + 2 > self.context_length):
+                return False
+        return True
+
+    def _append_and_look_ahead(self, step: list[Scheduled], tokens: torch.Tensor) -> list[RequestOutput]:
+        """Queue the next step on `tokens` (this step's argmax, on the device), then do the host
+        work of this step while the device runs it."""
+        fetch = self.runner.fetch_ids(tokens)  # queued before the next step, so it does not wait for it
+        reqs = [s.req for s in step]
+        if self.scheduler.extend_ahead(reqs):
+            seqs = [SeqStep(row=r.row, cached_len=len(r.slots) - 1, token_ids=[0], slots=[r.slots[-1]], logit_start=0)
+                    for r in reqs]
+            logits = self.runner.forward(seqs, ids=tokens)
+            self._ahead = _Ahead([Scheduled(r, q, q.cached_len, True, False) for r, q in zip(reqs, seqs)],
+                                 logits.argmax(dim=-1))
+        results = self._append([self.tracks[r.rid] for r in reqs], SampleOutput(fetch(), None, None))
+        # a request that just finished took its queued step's slot with it (finish releases all
+        # its slots; the KV written there is its last token's, valid for the cache)
+        if self._ahead is not None and all(s.req.status is Status.FINISHED for s in self._ahead.scheduled):
+            self._ahead = None
+        return results
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Take the tokens of the step queued ahead, for its requests still running."""
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None
+        live = [i for i, s in enumerate(ahead.scheduled) if s.req.status is Status.RUNNING]
+        step = [ahead.scheduled[i] for i in live]
+        if not step:
+            return self._drain_finished_without_step()
+        tokens = ahead.tokens
+        if len(step) < len(ahead.scheduled):
+            tokens = tokens[torch.tensor(live, device=tokens.device)]
+        self.steps += 1
+        for s in step:
+            self.tracks[s.req.rid].forward_passes += 1
+        if self._can_look_ahead(step):
+            outputs = self._append_and_look_ahead(step, tokens)
+        else:
+            outputs = self._append([self.tracks[s.req.rid] for s in step], SampleOutput(tokens.tolist(), None, None))
+        self.scheduler.end_step(step)
+        return outputs + self._drain_finished_without_step(skip={o.rid for o in outputs})
 
     def _advance_text(self, track: _Track, tok: int) -> RequestOutput:
         req = track.req

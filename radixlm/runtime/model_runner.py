@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,13 +45,15 @@ class ModelRunner:
         if graph_buckets and self.device.type == "cuda" and hasattr(self.attention, "bind_decode"):
             self.graphs = DecodeGraphs(model, self.attention, self.req_to_token, max_requests, graph_buckets)
 
-    def forward(self, seqs: list[SeqStep]) -> torch.Tensor:
-        """Run one step; return fp32 logits [sum(seq.num_logits), vocab] in sequence order."""
+    def forward(self, seqs: list[SeqStep], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; return fp32 logits [sum(seq.num_logits), vocab] in sequence order.
+        `ids`, an int64 device tensor of all the step's tokens in order, replaces the seqs'
+        token_ids (tokens sampled by the previous step, not yet on the host)."""
         if self.graphs is not None and self._graph_decodable(seqs):
             return self.graphs.run([s.token_ids[0] for s in seqs], [s.cached_len for s in seqs],
                                    [s.slots[0] for s in seqs], [s.row for s in seqs],
-                                   [s.cached_len + 1 for s in seqs])
-        ids: list[int] = []
+                                   [s.cached_len + 1 for s in seqs], ids)
+        tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
@@ -65,9 +67,9 @@ class ModelRunner:
                 assert len(s.prefix_slots) == s.cached_len
                 if s.prefix_slots:
                     self.req_to_token[s.row, : s.cached_len] = torch.tensor(s.prefix_slots, device=self.device)
-            q_starts.append(len(ids))
-            logit_rows.extend(range(len(ids) + s.logit_start, len(ids) + n))
-            ids.extend(s.token_ids)
+            q_starts.append(len(tokens))
+            logit_rows.extend(range(len(tokens) + s.logit_start, len(tokens) + n))
+            tokens.extend(s.token_ids)
             positions.extend(range(s.cached_len, end))
             token_rows.extend([s.row] * n)
             slots.extend(s.slots)
@@ -81,11 +83,28 @@ class ModelRunner:
         meta = AttentionMeta(slot_t, self.req_to_token, rows, q_starts, q_lens, kv_lens)
         self.attention.prepare(meta)
         return self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
+            ids if ids is not None else torch.tensor(tokens, dtype=torch.int64, device=dev),
             pos_t,
             self.attention,
             torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
+
+    def fetch_ids(self, ids: torch.Tensor) -> Callable[[], list[int]]:
+        """Start copying int64 ids to the host; the returned call waits for them. On CUDA the
+        copy is queued now, so work queued after it does not delay it."""
+        if ids.device.type != "cuda":
+            host = ids.tolist()
+            return lambda: host
+        buf = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        buf.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> list[int]:
+            done.synchronize()
+            return buf.tolist()
+
+        return wait
 
     def _graph_decodable(self, seqs: list[SeqStep]) -> bool:
         """One new token and its logits per sequence, no prefix to write, within a bucket."""

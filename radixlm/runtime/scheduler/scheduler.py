@@ -106,6 +106,17 @@ class Scheduler:
             self.allocator.free(req.slots[length:])
             del req.slots[length:]
 
+    def extend_ahead(self, reqs: Sequence[Request]) -> bool:
+        """Give each decoding request one more slot for a step queued before its last token is
+        known (the overlap schedule); False, and nothing taken, when the pool is short. Never
+        retracts: a step that does not fit is simply not queued ahead."""
+        slots = self._alloc(len(reqs))
+        if slots is None:
+            return False
+        for req, slot in zip(reqs, slots):
+            req.slots.append(slot)
+        return True
+
     def abort(self, rid: str) -> Request | None:
         for req in self.waiting + self.running:
             if req.rid == rid:

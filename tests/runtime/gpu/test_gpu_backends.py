@@ -145,12 +145,14 @@ def _prompts(lengths: list[int], shared: int, seed: int) -> list[list[int]]:
 
 
 def _greedy(tokenizer_dir: str, prompts: list[list[int]], dtype: str, backend: str,
-            disable_graph: bool) -> list[list[int]]:
+            disable_graph: bool, overlap: bool = True, max_new: int | list[int] = 64) -> list[list[int]]:
     engine = Engine("dummy:smollm2-135m", device="cuda", dtype=dtype, tokenizer_path=tokenizer_dir,
                     attention_backend=backend, disable_cuda_graph=disable_graph, max_total_tokens=20000,
-                    max_running_requests=16, chunked_prefill_size=256)
-    params = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+                    max_running_requests=16, chunked_prefill_size=256, overlap_schedule=overlap)
+    lengths = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in lengths]
     out = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
+    engine.core.check_idle_integrity()
     engine.shutdown()
     return out
 
@@ -170,3 +172,15 @@ def test_greedy_graph_equals_eager_bf16(tokenizer_dir):
     prompts = _prompts([40] * 8, 0, seed=5)
     graph = _greedy(tokenizer_dir, prompts, "bfloat16", "triton", False)
     assert graph == _greedy(tokenizer_dir, prompts, "bfloat16", "triton", True)
+
+
+def test_greedy_overlap_equals_plain_loop(tokenizer_dir):
+    """Decode steps queued ahead of the host (the CUDA default) give the plain loop's outputs;
+    requests of different lengths leave the batch at different steps, the last ones alone (bs1)."""
+    prompts = _prompts([3, 50, 7, 120, 1, 64], 40, seed=6)
+    lengths = [5, 64, 17, 33, 2, 48]
+    plain = _greedy(tokenizer_dir, prompts, "bfloat16", "triton", False, overlap=False, max_new=lengths)
+    assert [len(o) for o in plain] == lengths
+    assert _greedy(tokenizer_dir, prompts, "bfloat16", "triton", False, overlap=True, max_new=lengths) == plain
+    assert _greedy(tokenizer_dir, prompts, "float32", "triton", True, overlap=True, max_new=lengths) == \
+        _greedy(tokenizer_dir, prompts, "float32", "triton", True, overlap=False, max_new=lengths)
