@@ -39,6 +39,7 @@ def test_soak_mixed_load_leaves_nothing_behind():
         r = soak.soak(server.url, 140, 12, seed=3, max_new=6, warmup=16, replay_limit=30)
     finally:
         assert server.stop() == 0
+    print({k: r[k] for k in ("requests", "completed", "disconnects", "aborts", "rss_mib_before", "rss_mib_after")})
     assert r["num_errors"] == 0, r["errors"]
     assert set(r["statuses"]) <= {"200", "0"}  # 0: a plain request whose client left before the answer
     assert r["disconnects"] > 0 and r["aborts"] > 0 and r["session_turns"] > 0
@@ -48,6 +49,8 @@ def test_soak_mixed_load_leaves_nothing_behind():
         assert checks["before_flush"]["ok"], checks["before_flush"]["errors"]
         assert checks["no_leak"] and checks["all_free_after_flush"], checks
     assert r["replay"]["compared"] == 30 and r["replay"]["mismatches"] == []
+    for proc in ("server", "engine"):  # a leak, or a KV pool committed page by page, grows by far more
+        assert r["rss_mib_after"][proc] - r["rss_mib_before"][proc] < 64, (r["rss_mib_before"], r["rss_mib_after"])
 
 
 def test_overload_3x_pool_answers_or_429s_and_resumes_identically():
