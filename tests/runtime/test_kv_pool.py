@@ -3,6 +3,9 @@ grow by up to the pool's size under load (docs/reliability.md, "Failures found a
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import torch
 
 from radixlm.runtime.kv_pool import KVPool
@@ -13,19 +16,20 @@ ARCH = ModelArch(family="llama", vocab_size=64, hidden_size=256, intermediate_si
                  tie_word_embeddings=False, attention_bias=False)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
+def _resident_fraction(t: torch.Tensor) -> float:
+    """Share of the tensor's memory pages that are in RAM (mincore(2))."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() - t.data_ptr() % page
+    length = t.data_ptr() + t.nbytes - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in bytes(vec)) / pages
 
 
 def test_cpu_pool_is_resident_from_construction():
-    before = _rss_bytes()
-    pool = KVPool(ARCH, 64 * 1024, torch.float32, "cpu")  # 2 x 134 MB: fresh pages, not reused heap
-    grown = _rss_bytes() - before
-    size = pool.k.nbytes + pool.v.nbytes
-    assert size == KVPool.bytes_per_token(ARCH, torch.float32) * (64 * 1024 + 1)
-    assert grown >= 0.9 * size, f"only {grown >> 20} of {size >> 20} MiB resident"
+    pool = KVPool(ARCH, 64 * 1024, torch.float32, "cpu")  # 2 x 134 MB: fresh pages
+    assert pool.k.nbytes + pool.v.nbytes == KVPool.bytes_per_token(ARCH, torch.float32) * (64 * 1024 + 1)
+    assert _resident_fraction(pool.k) == 1.0 and _resident_fraction(pool.v) == 1.0
     assert not pool.k.any() and not pool.v.any()  # zeroed, padding slot 0 included
