@@ -32,7 +32,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -281,14 +281,14 @@ def check_schema(backend: GrammarBackend, file: str, row: dict,
 class Checker:
     """Tokenizer + backends of the default model, built once per process."""
 
-    def __init__(self, backends: tuple[str, ...], walks: int = 0) -> None:
+    def __init__(self, backends: tuple[str, ...], walks: int = 0, model: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         from radixlm.runtime.config import default_cache_dir
         from radixlm.runtime.constrained.tokenizer_info import build_tokenizer_vocab
         from radixlm.runtime.model.source import DEFAULT_MODEL, resolve_model
 
-        source = resolve_model(DEFAULT_MODEL, default_cache_dir())
+        source = resolve_model(model or DEFAULT_MODEL, default_cache_dir())
         self.tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
         vocab = build_tokenizer_vocab(self.tokenizer, source.arch.vocab_size)
         self.stop = vocab.stop_ids[0]
@@ -310,8 +310,8 @@ class Checker:
 # --- process pool with a per-task time and memory cap ---------------------------------------
 
 
-def _worker(conn: Connection, backends: tuple[str, ...], walks: int) -> None:
-    checker = Checker(backends, walks)
+def _worker(conn: Connection, backends: tuple[str, ...], walks: int, model: str | None) -> None:
+    checker = Checker(backends, walks, model)
     conn.send("ready")
     while True:
         task = conn.recv()
@@ -340,7 +340,7 @@ class _Slot:
 
 
 def run_pool(tasks: list[tuple[str, str, dict, bool]], backends: tuple[str, ...], workers: int,
-             timeout_s: float, max_rss: int, walks: int = 0) -> Iterator[dict]:
+             timeout_s: float, max_rss: int, walks: int = 0, model: str | None = None) -> Iterator[dict]:
     """Yield one result dict per task, from ``workers`` processes; a task past ``timeout_s``
     (counted once its worker is ready) or ``max_rss`` bytes kills its worker (restarted)."""
     ctx = mp.get_context("spawn")
@@ -348,7 +348,7 @@ def run_pool(tasks: list[tuple[str, str, dict, bool]], backends: tuple[str, ...]
 
     def spawn() -> _Slot:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(child, backends, walks), daemon=True)
+        proc = ctx.Process(target=_worker, args=(child, backends, walks, model), daemon=True)
         proc.start()
         child.close()
         return _Slot(proc, parent)
@@ -466,6 +466,13 @@ def table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def _version(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", type=Path, default=DATA_DIR)
@@ -473,6 +480,8 @@ def main() -> None:
     ap.add_argument("--backends", default="xgrammar,outlines")
     ap.add_argument("--limit", type=int, default=None, help="first N schemas of each file")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--model", default=None,
+                    help="model whose tokenizer to use (default: the default model; or a folder with its config and tokenizer)")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per schema and backend")
     ap.add_argument("--outlines-every", type=int, default=5,
                     help="outlines runs on every K-th schema of each file (its index build is slow)")
@@ -483,8 +492,8 @@ def main() -> None:
     ap.add_argument("--max-rss-mib", type=int, default=3072, help="memory cap per worker")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "jsonschemabench.json")
     args = ap.parse_args()
-    if not 1 <= args.workers <= 2:
-        ap.error("--workers must be 1 or 2 (the machine is shared)")
+    if not 1 <= args.workers <= (os.cpu_count() or 1):
+        ap.error(f"--workers must be 1..{os.cpu_count()}")
     backends = tuple(b for b in args.backends.split(",") if b)
     for b in backends:
         if b not in BACKEND_CONFIGS:
@@ -499,7 +508,8 @@ def main() -> None:
     ]
     t0 = time.time()
     results = []
-    for i, r in enumerate(run_pool(tasks, backends, args.workers, args.timeout, args.max_rss_mib << 20, args.walks)):
+    for i, r in enumerate(run_pool(tasks, backends, args.workers, args.timeout, args.max_rss_mib << 20, args.walks,
+                                       args.model)):
         results.append(r)
         if (i + 1) % 200 == 0:
             print(f"  {i + 1}/{len(tasks)} tasks, {time.time() - t0:.0f} s", flush=True)
@@ -512,7 +522,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "host": platform.platform(),
         "cpus": os.cpu_count(),
-        "versions": {d: version(d) for d in ("xgrammar", "outlines_core", "interegular", "transformers")},
+        "versions": {d: _version(d) for d in ("xgrammar", "outlines_core", "interegular", "transformers")},
         "command": "python benchmarks/jsonschemabench.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
         "configs": {b: asdict(BACKEND_CONFIGS[b]) for b in backends},

@@ -296,6 +296,53 @@ def _merge(a: Any, b: Any, deref: Any) -> Any:
     return out
 
 
+def _repeated_group_with_repeat(pattern: str) -> bool:
+    """True for a group that is repeated or optional and itself holds a repeat, such as
+    ``(-[a-z]+)?``: xgrammar's JSON-string regexes then let the group's first part be skipped
+    (``1.2a`` passes ``^1\\.2(-[a-z]+)?$``)."""
+    stack = [False]  # per open group: holds a quantifier
+    in_class, i, n = False, 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            stack.append(False)
+            if pattern.startswith("(?", i):
+                i += 1  # (?: and friends: that '?' is no quantifier
+        elif c == ")" and len(stack) > 1:
+            inner = stack.pop()
+            if inner and i + 1 < n and pattern[i + 1] in "?*+{":
+                return True
+            stack[-1] = stack[-1] or inner
+        elif c in "?*+" or (c == "{" and re.match(r"\{\d", pattern[i:])):
+            stack[-1] = True
+        i += 1
+    return False
+
+
+def _dot_outside_class(pattern: str) -> bool:
+    in_class, i = False, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == ".":
+            return True
+        i += 1
+    return False
+
+
 class _Checker:
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
@@ -352,6 +399,10 @@ class _Checker:
                 raise self.fail(path, f"the keyword {key!r} is not supported: {why}")
         assertions = ASSERTIONS.intersection(node)
         if "$ref" in node:
+            ref = node["$ref"]
+            if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+                raise self.fail(path, f"'$ref' {ref!r} is not supported: only references inside the schema "
+                                      "('#/$defs/...', '#/definitions/...') are")
             others = sorted(assertions - {"$ref"})
             if others and not self.legacy_ref:
                 # xgrammar ignores keywords beside a $ref: inline the target, intersected with them
@@ -478,6 +529,9 @@ class _Checker:
         return node
 
     def string(self, node: dict[str, Any], path: str) -> None:
+        if "pattern" in node and "format" in node:
+            del node["format"]  # xgrammar would enforce the format and drop the pattern;
+            # the validator asserts the pattern only (format is an annotation without a checker)
         if "pattern" in node and ("minLength" in node or "maxLength" in node) and "format" not in node:
             self.length_into_pattern(node, path)
         lengths = [k for k in ("minLength", "maxLength") if k in node]
@@ -515,7 +569,14 @@ class _Checker:
         node.pop("minLength", None)
         node.pop("maxLength", None)
 
-    def pattern(self, pattern: str, path: str) -> None:
+    def pattern(self, pattern: str, path: str, key: bool = False) -> None:
+        if _repeated_group_with_repeat(pattern):
+            raise self.fail(path, f"pattern {pattern!r}: a repeated or optional group holding a repeat (like "
+                                  "'(-[a-z]+)?') is not supported: the grammar engine compiles it wrongly inside "
+                                  "JSON strings")
+        if key and _dot_outside_class(pattern):
+            raise self.fail(path, f"patternProperties {pattern!r}: '.' in a key pattern is not supported: the "
+                                  "grammar engine lets it match a raw '\"' there; use a class such as [^\"]")
         if _LOOKAROUND.search(pattern):
             raise self.fail(path, f"pattern {pattern!r}: lookaround assertions are not supported "
                                   "(the grammar engine ignores them)")
@@ -568,7 +629,7 @@ class _Checker:
                 raise self.fail(path, "'patternProperties' together with 'additionalProperties' is not supported: "
                                       "the grammar engine may give a pattern-matching key the additional schema")
             for pat in pattern_props:
-                self.pattern(pat, f"{path}/patternProperties")
+                self.pattern(pat, f"{path}/patternProperties", key=True)
                 for name in props:
                     if _search(pat, name):
                         raise self.fail(path, f"property {name!r} also matches patternProperties {pat!r}: its value "

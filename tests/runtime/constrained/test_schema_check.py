@@ -51,6 +51,10 @@ def backend(vocab):
                                                                            {"properties": {"a": {"pattern": "y"}}}]},
      "could not be merged into one schema (both give 'pattern')"),
     ({"type": "string", "const": 1}, "no 'enum'/'const' value matches 'type': no value is valid"),
+    ({"type": "string", "pattern": "^1\\.2(-[a-z]+)?$"}, "a repeated or optional group holding a repeat"),
+    ({"type": "object", "patternProperties": {"^.{1,9}$": {}}}, "'.' in a key pattern"),
+    ({"definitions": {"n": {"id": "#n", "type": "integer"}}, "type": "array", "items": {"$ref": "#n"}},
+     "'$ref' '#n' is not supported"),
 ])
 def test_refused_by_name(backend, schema, named):
     with pytest.raises(UnsupportedSchema, match=None) as info:
@@ -93,6 +97,9 @@ def test_rewrites_only_narrow():
     # a length beside a pattern of one repeated character class goes into the repeat count
     got = prepare_json_schema({"type": "string", "pattern": "[0-9a-f]+", "minLength": 2, "maxLength": 4})
     assert got == {"type": "string", "pattern": "^[0-9a-f]{2,4}$"}
+    # a format beside a pattern is dropped: xgrammar would enforce the format instead
+    assert prepare_json_schema({"type": "string", "format": "uri", "pattern": "^https?://"}) == {
+        "type": "string", "pattern": "^https?://"}
     # an optional property no value fits is left out
     got = prepare_json_schema({"type": "object", "properties": {"a": {"type": "object", "enum": ["x"]}, "b": {}}})
     assert list(got["properties"]) == ["b"]
