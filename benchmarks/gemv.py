@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu import hbm_copy_gbps  # benchmarks/gpu.py, beside this script
+
 from radixlm.runtime.kernels.gemv import GemvConfig, gemv
 
 SHAPES = {  # name: (N, K) of Llama-3-8B's weights
@@ -60,23 +62,6 @@ def graph_time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: t
     return statistics.median(times)
 
 
-def copy_gbps(gib: int = 2) -> float:
-    """Device-to-device copy, bytes read plus written."""
-    n = (gib << 30) // 2
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    return 4 * n / statistics.median(times) / 1e9
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -89,7 +74,7 @@ def main() -> None:
     sweep = QUICK if args.quick else SWEEP
     configs = [GemvConfig(*v) for v in itertools.product(*sweep.values())]
     torch.manual_seed(0)
-    results: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "copy_gbps": copy_gbps(), "shapes": {}}
+    results: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "copy_gbps": hbm_copy_gbps(), "shapes": {}}
     rows = []
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
