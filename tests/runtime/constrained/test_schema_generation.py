@@ -35,7 +35,8 @@ def test_generated_outputs_validate():
         engine.core.check_idle_integrity()
     finally:
         engine.shutdown()
-    assert res["compiled"] >= 5, res["failures"]  # most Synthesized/Handwritten schemas use "not": refused
+    # Synthesized/Handwritten schemas use "not"/approximated keywords: refused (5 of the 10 compile)
+    assert res["compiled"] >= 5, res["failures"]
     for mode, counts in res["counts"].items():
         assert counts.get("invalid", 0) == 0, (mode, res["failures"])
         assert counts.get("valid", 0) + counts.get("length", 0) == res["compiled"]
