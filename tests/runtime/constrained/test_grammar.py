@@ -20,7 +20,7 @@ from radixlm.runtime.constrained import (
 )
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, allowed_tokens, apply_bitmask_
 
-BENCH_DIR = Path("/work/shared/data/jsonschemabench")
+BENCH_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "jsonschemabench"  # beside the checkout
 
 PERSON = {
     "type": "object",

@@ -12,7 +12,7 @@ from radixlm.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
 
-BENCH_DIR = Path("/work/shared/data/jsonschemabench")
+BENCH_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "jsonschemabench"  # beside the checkout
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "schema_generation.py"
 
 
