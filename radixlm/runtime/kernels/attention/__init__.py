@@ -16,10 +16,18 @@ def _triton(pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
     return TritonAttention(pool, num_heads, head_dim)
 
 
-# name -> factory(pool, num_heads, head_dim); flashinfer is not wired in (docs/gpu.md)
+def _flashinfer(pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
+    # imported on use: flashinfer is optional (CUDA, fp16/bf16); a ValueError says what to install
+    from radixlm.runtime.kernels.attention.flashinfer_backend import FlashInferAttention
+
+    return FlashInferAttention(pool, num_heads, head_dim)
+
+
+# name -> factory(pool, num_heads, head_dim)
 ATTENTION_BACKENDS: dict[str, Callable[[KVPool, int, int], AttentionBackend]] = {
     "torch": TorchAttention,
     "triton": _triton,
+    "flashinfer": _flashinfer,
 }
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMeta", "TorchAttention"]
