@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from radixlm.runtime.constrained.grammar import Grammar, GrammarMatcher
 from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.batch import SeqStep
-from radixlm.runtime.kernels.sampling import SampleOutput, SamplingBatch, make_generator, sample
+from radixlm.runtime.kernels.sampling import SampleOutput, SamplingBatch, make_generator, sample, sample_tokens
 from radixlm.runtime.cuda_graph import graph_buckets
 from radixlm.runtime.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.model.loader import build_model
@@ -63,11 +63,16 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class _Ahead:
-    """A greedy decode step queued on the device before the host saw the previous step's
-    tokens (the overlap schedule): its requests and its argmax tokens, still on the device."""
+    """A decode step queued on the device before the host saw the previous step's tokens (the
+    overlap schedule): its requests, its logits and the tokens drawn from them (still on the
+    device), the sampling batch of that draw, and the states its draw started from (see
+    `_rng_states`), to redo it for the requests still running when some finished meanwhile."""
 
     scheduled: list[Scheduled]
+    logits: torch.Tensor
     tokens: torch.Tensor
+    batch: SamplingBatch
+    rng: list[tuple[torch.Generator, torch.Tensor]]
 
 
 @dataclass(eq=False)
@@ -137,6 +142,7 @@ class EngineCore:
         self.tracks: dict[str, _Track] = {}
         self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
         self._ahead: _Ahead | None = None
+        self.ahead_steps = 0  # decode steps queued ahead of the host (the overlap schedule)
         self._grammars: GrammarService | None = None
         self._compiling: dict[str, Future[Grammar]] = {}
         self.grammar_seconds = 0.0  # masks, accepts and jumps, for the per-token grammar cost
@@ -326,28 +332,31 @@ class EngineCore:
 
     def _sample_and_append(self, logits: torch.Tensor, samplers: list[Scheduled],
                            whole_step: bool = False) -> list[RequestOutput]:
-        if whole_step and self._can_look_ahead(samplers):
-            return self._append_and_look_ahead(samplers, logits.argmax(dim=-1))
         tracks = [self.tracks[s.req.rid] for s in samplers]
-        params = [t.req.params for t in tracks]
+        self._apply_grammar_masks(logits, tracks)
+        batch = self._sampling_batch(tracks)
+        if whole_step and self._can_look_ahead(samplers):
+            return self._append_and_look_ahead(samplers, sample_tokens(logits, batch), batch)
+        want_lp = any(t.return_logprob for t in tracks)
+        out = sample(logits, batch, [t.top_logprobs_num if t.return_logprob else 0 for t in tracks], want_lp)
+        return self._append(tracks, out)
+
+    def _sampling_batch(self, tracks: list[_Track]) -> SamplingBatch:
+        """This step's sampling parameters, with the min_new_tokens blocks of its requests."""
         blocks = [  # a grammar, not min_new_tokens, decides where constrained output may end
             sorted(t.eos_ids | set(t.req.params.stop_token_ids))
             if len(t.req.output_ids) < t.req.params.min_new_tokens and t.matcher is None
             else []
             for t in tracks
         ]
-        self._apply_grammar_masks(logits, tracks)
-        batch = SamplingBatch.build(
-            params,
+        return SamplingBatch.build(
+            [t.req.params for t in tracks],
             [t.req.output_ids for t in tracks],
             [t.generator for t in tracks],
             self.source.arch.vocab_size,
             self.device,
             blocks if any(blocks) else None,
         )
-        want_lp = any(t.return_logprob for t in tracks)
-        out = sample(logits, batch, [t.top_logprobs_num if t.return_logprob else 0 for t in tracks], want_lp)
-        return self._append(tracks, out)
 
     def _append(self, tracks: list[_Track], out: SampleOutput) -> list[RequestOutput]:
         """Each request's sampled token: grammar, text, stops, finishing."""
@@ -372,36 +381,44 @@ class EngineCore:
     def _can_look_ahead(self, step: list[Scheduled]) -> bool:
         """Whether the next step of these decoding requests can be queued before their tokens
         reach the host: every running request decodes here, nothing waits to be admitted, and
-        each request's next token is a plain argmax (greedy, no penalties over its output, no
-        grammar, logprobs or min_new_tokens block) that cannot be its last by length."""
+        each request's next token needs nothing the host has not sent yet (greedy or sampled,
+        seeded or not, but no penalties over its output, no grammar, logprobs or min_new_tokens
+        block) and cannot be its last by length."""
         if not self.overlap or self.scheduler.waiting or self._compiling or len(step) != len(self.scheduler.running):
             return False
         for s in step:
             req, track = s.req, self.tracks[s.req.rid]
             p = req.params
             if (s.prefill or not s.samples or len(s.seq.token_ids) != 1 or req.rewrite_row
-                    or track.matcher is not None or track.return_logprob or not p.is_greedy
+                    or track.matcher is not None or track.return_logprob
                     or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
                     or len(req.output_ids) + 1 < p.min_new_tokens or req.remaining_new_tokens() < 2
                     or req.fill_len + 2 > self.context_length):
                 return False
         return True
 
-    def _append_and_look_ahead(self, step: list[Scheduled], tokens: torch.Tensor) -> list[RequestOutput]:
-        """Queue the next step on `tokens` (this step's argmax, on the device), then do the host
-        work of this step while the device runs it."""
+    def _append_and_look_ahead(self, step: list[Scheduled], tokens: torch.Tensor,
+                               batch: SamplingBatch) -> list[RequestOutput]:
+        """Queue the next step on `tokens` (this step's, drawn with `batch`, on the device), then
+        do the host work of this step while the device runs it."""
         fetch = self.runner.fetch_ids(tokens)  # queued before the next step, so it does not wait for it
         reqs = [s.req for s in step]
         if self.scheduler.extend_ahead(reqs):
             seqs = [SeqStep(row=r.row, cached_len=len(r.slots) - 1, token_ids=[0], slots=[r.slots[-1]], logit_start=0)
                     for r in reqs]
             logits = self.runner.forward(seqs, ids=tokens)
+            # the same requests, parameters and generators; _can_look_ahead ruled out a block
+            # (and penalties, so the batch's output ids, one token behind, are not read)
+            batch = replace(batch, block_rows=None, block_tokens=None)
+            rng = self._rng_states(batch)
             self._ahead = _Ahead([Scheduled(r, q, q.cached_len, True, False) for r, q in zip(reqs, seqs)],
-                                 logits.argmax(dim=-1))
+                                 logits, sample_tokens(logits, batch), batch, rng)
+            self.ahead_steps += 1
         results = self._append([self.tracks[r.rid] for r in reqs], SampleOutput(fetch(), None, None))
         # a request that just finished took its queued step's slot with it (finish releases all
         # its slots; the KV written there is its last token's, valid for the cache)
         if self._ahead is not None and all(s.req.status is Status.FINISHED for s in self._ahead.scheduled):
+            _set_states(self._ahead.rng)  # the plain loop never draws this step
             self._ahead = None
         return results
 
@@ -412,19 +429,35 @@ class EngineCore:
         live = [i for i, s in enumerate(ahead.scheduled) if s.req.status is Status.RUNNING]
         step = [ahead.scheduled[i] for i in live]
         if not step:
+            _set_states(ahead.rng)
             return self._drain_finished_without_step()
-        tokens = ahead.tokens
+        tokens, batch = ahead.tokens, ahead.batch
         if len(step) < len(ahead.scheduled):
-            tokens = tokens[torch.tensor(live, device=tokens.device)]
+            # Redo the draw as the plain loop makes it, over the requests left: from the same
+            # generator states, so unseeded rows take the same share of the default generator.
+            _set_states(ahead.rng)
+            batch = self._sampling_batch([self.tracks[s.req.rid] for s in step])
+            tokens = sample_tokens(ahead.logits[torch.tensor(live, device=ahead.logits.device)], batch)
         self.steps += 1
         for s in step:
             self.tracks[s.req.rid].forward_passes += 1
         if self._can_look_ahead(step):
-            outputs = self._append_and_look_ahead(step, tokens)
+            outputs = self._append_and_look_ahead(step, tokens, batch)
         else:
             outputs = self._append([self.tracks[s.req.rid] for s in step], SampleOutput(tokens.tolist(), None, None))
         self.scheduler.end_step(step)
         return outputs + self._drain_finished_without_step(skip={o.rid for o in outputs})
+
+    def _rng_states(self, batch: SamplingBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The generators a draw with `batch` advances, with their states before it: the
+        device's default generator (unseeded rows) and each seeded row's own. Host-side reads,
+        no device sync."""
+        if batch.all_greedy:
+            return []
+        dev = self.device
+        default = (torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+                   if dev.type == "cuda" else torch.default_generator)
+        return [(g, g.get_state()) for g in [default, *(g for _, g in batch.seeded)]]
 
     def _advance_text(self, track: _Track, tok: int) -> RequestOutput:
         req = track.req
@@ -613,6 +646,12 @@ class EngineCore:
         """Drop every cached prefix; sessions stay open, unpinned (their next turns recompute)."""
         self.sessions.unpin_all()
         self.cache.reset()
+
+
+def _set_states(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    """Put generators back to states saved by `EngineCore._rng_states`."""
+    for gen, state in states:
+        gen.set_state(state)
 
 
 def _finish_reason(reason: str | None, matched: str | int | None) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""The overlap schedule (greedy decode steps queued one step ahead of the host's work) gives
-exactly the outputs of the plain loop. It is on by default only with CUDA; here it is forced on
+"""The overlap schedule (decode steps queued one step ahead of the host's work) gives exactly
+the outputs of the plain loop, greedy and sampled (seeded, or unseeded from the same global
+RNG state). It is on by default only with CUDA; here it is forced on
 over the CPU, where each queued step runs at once but every bookkeeping path is the same."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from radixlm.runtime.engine import Engine
 
@@ -60,8 +62,8 @@ def test_batch_outputs_equal(engines):
 
 
 def test_alone_and_mixed_with_sampling(engines):
-    """A sampled request in the batch turns look-ahead off for those steps; outputs of the
-    greedy ones still match, and a lone greedy request (bs 1, the case it is built for) too."""
+    """A penalised request in the batch turns look-ahead off for those steps; outputs still
+    match, and a lone greedy request (bs 1, the case it is built for) too."""
     on, off = engines
     alone = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     assert _strip(on.generate(PROMPTS[2], alone)) == _strip(off.generate(PROMPTS[2], alone))
@@ -87,3 +89,64 @@ def test_stream_abort_mid_way(engines):
         on.core.step()
     on.core.check_idle_integrity()
     assert _strip(on.generate(PROMPTS[1], params)) == _strip(off.generate(PROMPTS[1], params))
+
+
+def _sampled_params() -> list[dict]:
+    """Greedy, unseeded and seeded sampled requests with top-k / top-p / min-p, ending by
+    length, stop strings, EOS and with min_new_tokens, so rows leave a step queued ahead."""
+    return [
+        {"temperature": 0, "max_new_tokens": 12, "stop": "\n"},
+        {"temperature": 0.9, "max_new_tokens": 14, "top_k": 20, "stop": "\n"},
+        {"temperature": 1.0, "max_new_tokens": 20, "top_p": 0.9, "seed": 11},
+        {"temperature": 0.7, "max_new_tokens": 9, "min_p": 0.05, "stop": "\n"},
+        {"temperature": 1.2, "max_new_tokens": 25, "top_k": 50, "top_p": 0.95, "seed": 3, "stop": [" five", "\n"]},
+        {"temperature": 0.8, "max_new_tokens": 8, "min_new_tokens": 5, "top_k": 5},
+        {"temperature": 1.0, "max_new_tokens": 30, "top_p": 0.8, "min_p": 0.02, "ignore_eos": True},
+    ]
+
+
+def _run(engine: Engine, prompts, params, seed: int) -> list[tuple]:
+    torch.manual_seed(seed)  # the unseeded rows draw from the global generator
+    return [_strip(o) for o in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampled_batch_outputs_equal(engines, seed):
+    on, off = engines
+    before = on.core.ahead_steps
+    got = _run(on, PROMPTS, _sampled_params(), seed)
+    ref = _run(off, PROMPTS, _sampled_params(), seed)
+    assert got == ref
+    assert on.core.ahead_steps > before
+    assert {r[3]["type"] for r in ref} == {"stop", "length"}
+    on.core.check_idle_integrity()
+    off.core.check_idle_integrity()
+
+
+def test_sampled_only_batch_looks_ahead(engines):
+    """Sampled requests alone (no greedy one) are queued ahead, unseeded and seeded; a seeded
+    request gives the same tokens whatever the global RNG state."""
+    on, off = engines
+    params = [{"temperature": 0.8, "max_new_tokens": 16, "top_k": 40, "ignore_eos": True},
+              {"temperature": 1.0, "max_new_tokens": 16, "top_p": 0.9, "seed": 5, "ignore_eos": True},
+              {"temperature": 0.6, "max_new_tokens": 16, "min_p": 0.1, "ignore_eos": True}]
+    before = on.core.ahead_steps
+    got = _run(on, PROMPTS[:3], params, 7)
+    assert on.core.ahead_steps - before >= 10  # 16 tokens: prefill, then decode steps queued ahead
+    assert got == _run(off, PROMPTS[:3], params, 7)
+    assert _run(on, [PROMPTS[1]], [params[1]], 8) == [got[1]]
+    on.core.check_idle_integrity()
+    off.core.check_idle_integrity()
+
+
+def test_min_new_tokens_block_on_the_step_that_looks_ahead(engines):
+    """The step that first queues the next one ahead draws the min_new_tokens-th token, EOS still
+    blocked (the default model answers this in 7 tokens + EOS; the greedy-only schedule once took
+    the unblocked argmax there and stopped at 8)."""
+    on, off = engines
+    prompt = "<|im_start|>user\nWhat is the capital of France? One word.<|im_end|>\n<|im_start|>assistant\n"
+    params = {"temperature": 0, "max_new_tokens": 16, "min_new_tokens": 8}
+    got, ref = _strip(on.generate(prompt, params)), _strip(off.generate(prompt, params))
+    assert got == ref
+    assert ref[2] == 16
+    on.core.check_idle_integrity()

@@ -14,10 +14,14 @@ Pipeline per row, in this order (all in fp32):
    distribution, as HF/vLLM), min-p (relative to the top probability), and draw one token.
    The top-1 token always survives the filters, so a row never becomes empty or NaN.
 
-Rows with a ``torch.Generator`` draw with it alone (``torch.multinomial`` over the row's own
-probabilities in vocabulary order), so a fixed seed gives the same tokens whatever else is in
-the batch; the caller keeps one generator per request across steps (see ``make_generator``).
-Other rows share one batched exponential race (Gumbel-max), which needs no host sync.
+Every draw is an exponential race (Gumbel-max): ``argmax(w / E)`` with ``E ~ Exp(1)``, which
+picks token i with probability ``w_i / sum(w)``. Rows with a ``torch.Generator`` draw with it
+alone, over the row's own probabilities in vocabulary order (the draw ``torch.multinomial(w, 1,
+generator=g)`` makes, without its host-side checks), so a fixed seed gives the same tokens
+whatever else is in the batch; the caller keeps one generator per request across steps (see
+``make_generator``). Other rows share one batched race on the device's default generator.
+``sample_tokens`` never waits for the device (the overlap schedule queues it ahead of the host);
+``sample`` adds the copy to the host and the logprobs.
 
 Logprobs are ``log_softmax`` of the RAW logits (before penalties, temperature and filters),
 in fp32. This is vLLM's default (``raw_logprobs``) and SGLang's greedy path; note that recent
@@ -339,17 +343,9 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return out
 
 
-def sample(
-    logits: torch.Tensor,
-    batch: SamplingBatch,
-    top_logprobs_num: int | Sequence[int] = 0,
-    return_logprob: bool = False,
-) -> SampleOutput:
-    """Draw one token per row of ``logits`` (B, V), fp32 or bf16.
-
-    ``top_logprobs_num`` may be one int for all rows or one per row; ``top_logprobs[i]`` is
-    sorted by descending logprob. Logprobs come from the raw logits (see module docstring).
-    """
+def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Draw one token per row of ``logits`` (B, V), fp32 or bf16: a (B,) int64 tensor on the
+    logits' device. Queues device work only, no host sync."""
     if logits.dim() != 2 or logits.shape[0] != batch.batch_size:
         raise ValueError(
             f"logits must have shape ({batch.batch_size}, V), got {tuple(logits.shape)}"
@@ -358,18 +354,39 @@ def sample(
         raise ValueError(
             f"logits have {logits.shape[1]} columns, the batch was built for {batch.vocab_size}"
         )
-
     if not batch.need_penalties and batch.block_rows is None and batch.all_greedy:
         # Fast path: argmax is exact in the input dtype, no cast needed.
-        tokens = logits.argmax(dim=-1)
-    else:
-        x = apply_penalties_and_blocks(logits, batch)
-        tokens = x.argmax(dim=-1)
-        if not batch.all_greedy:
-            _sample_rows(x, batch, tokens)
+        return logits.argmax(dim=-1)
+    x = apply_penalties_and_blocks(logits, batch)
+    tokens = x.argmax(dim=-1)
+    if not batch.all_greedy:
+        _sample_rows(x, batch, tokens)
+    return tokens
 
-    token_ids = tokens.tolist()
-    return _with_logprobs(logits, token_ids, tokens, top_logprobs_num, return_logprob)
+
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    top_logprobs_num: int | Sequence[int] = 0,
+    return_logprob: bool = False,
+) -> SampleOutput:
+    """``sample_tokens``, then the tokens (and logprobs) on the host.
+
+    ``top_logprobs_num`` may be one int for all rows or one per row; ``top_logprobs[i]`` is
+    sorted by descending logprob. Logprobs come from the raw logits (see module docstring).
+    """
+    tokens = sample_tokens(logits, batch)
+    return _with_logprobs(logits, tokens.tolist(), tokens, top_logprobs_num, return_logprob)
+
+
+def _race(w: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Index along the last dim drawn with probability ``w / w.sum()``: argmax(w / E), E ~ Exp(1)
+    from ``generator`` (the device's default one when None).
+
+    The clamp keeps a zero draw from turning a filtered token (w = 0) into 0/0 = NaN.
+    """
+    e = torch.empty_like(w).exponential_(generator=generator).clamp_(min=torch.finfo(w.dtype).tiny)
+    return (w / e).argmax(dim=-1)
 
 
 def _sample_rows(x: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) -> None:
@@ -379,10 +396,7 @@ def _sample_rows(x: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) ->
 
     if batch.unseeded_pos is None or batch.unseeded_pos.numel() > 0:
         w = weights if batch.unseeded_pos is None else weights.index_select(0, batch.unseeded_pos)
-        # Exponential race: argmax(w / E) with E ~ Exp(1) picks i with probability w_i / sum(w).
-        # The clamp keeps a zero draw from turning a filtered token (w = 0) into 0/0 = NaN.
-        e = torch.empty_like(w).exponential_().clamp_(min=torch.finfo(w.dtype).tiny)
-        choice = (w / e).argmax(dim=-1)
+        choice = _race(w)
         if idx is not None:
             i = idx if batch.unseeded_pos is None else idx.index_select(0, batch.unseeded_pos)
             choice = i.gather(1, choice.unsqueeze(1)).squeeze(1)
@@ -398,7 +412,7 @@ def _sample_rows(x: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) ->
             row = torch.zeros(batch.vocab_size, dtype=row.dtype, device=row.device).scatter_(
                 0, idx[pos], row
             )
-        picked[pos] = torch.multinomial(row, 1, generator=gen)[0]
+        picked[pos] = _race(row, gen)
 
     tokens.index_copy_(0, batch.sample_rows, picked)
 

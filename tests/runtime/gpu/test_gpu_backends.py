@@ -184,3 +184,27 @@ def test_greedy_overlap_equals_plain_loop(tokenizer_dir):
     assert _greedy(tokenizer_dir, prompts, "bfloat16", "triton", False, overlap=True, max_new=lengths) == plain
     assert _greedy(tokenizer_dir, prompts, "float32", "triton", True, overlap=True, max_new=lengths) == \
         _greedy(tokenizer_dir, prompts, "float32", "triton", True, overlap=False, max_new=lengths)
+
+
+def _sampled(tokenizer_dir: str, prompts: list[list[int]], overlap: bool, max_new: list[int]) -> list[list[int]]:
+    """Seeded sampled requests (temperature, top-k, top-p, min-p), bf16 with graphs."""
+    engine = Engine("dummy:smollm2-135m", device="cuda", dtype="bfloat16", tokenizer_path=tokenizer_dir,
+                    attention_backend="triton", disable_cuda_graph=False, max_total_tokens=20000,
+                    max_running_requests=16, chunked_prefill_size=256, overlap_schedule=overlap)
+    filters = [{"top_k": 50}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 20, "top_p": 0.95}, {}, {"top_p": 0.8}]
+    params = [{"max_new_tokens": n, "temperature": 0.8, "seed": 100 + i, "ignore_eos": True, **filters[i % len(filters)]}
+              for i, n in enumerate(max_new)]
+    out = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
+    engine.core.check_idle_integrity()
+    engine.shutdown()
+    return out
+
+
+def test_sampled_overlap_equals_plain_loop(tokenizer_dir):
+    """Seeded sampled decode steps queued ahead of the host draw the plain loop's tokens: each
+    request's generator is stepped once per step, in order; requests leave at different steps."""
+    prompts = _prompts([3, 50, 7, 120, 1, 64], 40, seed=7)
+    lengths = [5, 64, 17, 33, 2, 48]
+    plain = _sampled(tokenizer_dir, prompts, overlap=False, max_new=lengths)
+    assert [len(o) for o in plain] == lengths
+    assert _sampled(tokenizer_dir, prompts, overlap=True, max_new=lengths) == plain
