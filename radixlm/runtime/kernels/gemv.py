@@ -1,4 +1,4 @@
-"""Linear layers for one row on CUDA (triton): y = x @ W^T for x of shape [1, K], W [N, K].
+"""Linear layers for few rows on CUDA (triton): y = x @ W^T for x of shape [M, K], W [N, K].
 
 At batch 1 a linear layer is a matrix-vector product: it reads every weight once and does two
 flops per weight, so it runs at memory speed or not at all. cuBLAS picks split-K kernels plus a
@@ -6,6 +6,10 @@ reduction for the attention projections of an 8B model (N = 6144 / 4096, K = 409
 profiles on an H100 showed at ~52% of copy bandwidth (docs/gpu.md). This kernel gives each
 program a block of output features and walks the whole K for them, so there is no reduction
 pass, and loads weight tiles wide and contiguous along K.
+
+`linear_rows` is the same idea for a decode step of a few sequences (M up to 32): still
+memory-bound, each program holds all M rows against a block of output features and walks K with
+tensor-core products. Both take the residual add as an epilogue; `linear_few` picks one.
 """
 
 from __future__ import annotations
@@ -97,6 +101,101 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    """Launch shape of `linear_rows`: output features per program, K per step, warps, stages."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+MAX_ROWS = 32  # above this cuBLAS was as fast inside the 8B model's decode step (docs/gpu.md)
+
+
+@triton.jit
+def _rows_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                 ADD_TO_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_ptr = X + offs_m[:, None].to(tl.int64) * stride_xm
+    w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if EVEN_K:
+            w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    out = acc.to(Y.dtype.element_ty)
+    if ADD_TO_Y:  # the residual stream, rounded as a separate add would round
+        y = tl.load(y_ptr, mask=mask, other=0.0)
+        out = (out.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(y_ptr, out, mask=mask)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: RowsConfig | None = None, *, add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] for 1 <= M <= MAX_ROWS; with `add_to`
+    ([M, N]) the result is added into it in place and it is returned (the residual stream)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(-1) == 1
+    cfg = config or rows_config(m, n, x.dtype)
+    if add_to is not None:
+        assert add_to.shape == (m, n) and add_to.stride(-1) == 1 and add_to.data_ptr() != x.data_ptr()
+        y = add_to
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _rows_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, ADD_TO_Y=add_to is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def rows_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> RowsConfig:
+    """The launch shape for `m` rows and `n` output features: per row-block size, the shape with
+    the least time over a Llama-3-8B step (32 layers' four weights and the LM head) in the H100
+    sweep of benchmarks/gemv.py --rows (docs/gpu.md); the LM head gets its own above 16 rows."""
+    if dtype == torch.float32:  # four-byte tiles: fewer stages fit in shared memory
+        return RowsConfig(32, 64, 4, 3)
+    if m <= 16:
+        return RowsConfig(64, 256, 4, 5)
+    return RowsConfig(128, 128, 4, 3) if n >= 65536 else RowsConfig(32, 256, 4, 5)
+
+
+def linear_few(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               silu_mul: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+               add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemv` for one row, `linear_rows` for up to MAX_ROWS, with the same options. Above one row
+    the RMSNorm and SiLU·up run as their own kernels first: as prologues, every program would
+    recompute them for all its rows, which made the 8B model's decode steps at 8-64 rows
+    1.2-1.8x slower on the H100 (docs/gpu.md)."""
+    if x.shape[0] == 1:
+        return gemv(x, weight, bias, silu_mul=silu_mul, norm_weight=norm_weight, eps=eps, add_to=add_to)
+    from radixlm.runtime.kernels import fused
+
+    if norm_weight is not None:
+        x = fused.rms_norm(x, norm_weight, eps)
+    if silu_mul:
+        x = fused.silu_mul(x)
+    return linear_rows(x, weight, bias, add_to=add_to)
 
 
 def default_config(n: int, k: int) -> GemvConfig:

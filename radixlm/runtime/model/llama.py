@@ -3,9 +3,9 @@
 Tokens of all sequences in a step are flattened into one [T, hidden] batch; attention is the
 only part that needs to know where sequences begin and end, and the backend holds that.
 On CUDA, RMSNorm (with the residual add), RoPE and SiLU*up run as fused triton kernels
-(radixlm.runtime.kernels.fused); a one-token step runs each layer as four triton GEMVs with the
-norms, SiLU*up and residual adds folded in (radixlm.runtime.kernels.gemv); elsewhere the plain
-PyTorch below.
+(radixlm.runtime.kernels.fused); a step of at most 32 tokens runs each layer's linear layers as
+triton few-row kernels with the residual adds folded in, and at one token the norms and SiLU*up
+too (radixlm.runtime.kernels.gemv); elsewhere the plain PyTorch below.
 """
 
 from __future__ import annotations
@@ -111,17 +111,18 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, rotary, backend), residual)
         return self.mlp(x), residual
 
-    def forward_row(self, stream: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> None:
-        """One token on CUDA (batch-1 decode): add this layer into the residual stream [1, hidden]
-        in place. The norms, SiLU*up and the residual adds run inside the GEMV kernels, so a
-        layer is four GEMVs plus RoPE, the K/V write and attention."""
-        from radixlm.runtime.kernels.gemv import gemv
+    def forward_rows(self, stream: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> None:
+        """A step of few tokens on CUDA (decode of up to 32 sequences): add this layer into the
+        residual stream [T, hidden] in place. The residual adds run inside the few-row linear
+        kernels, and at one row the norms and SiLU*up too (a layer is then four GEMVs plus RoPE,
+        the K/V write and attention)."""
+        from radixlm.runtime.kernels.gemv import linear_few
 
         attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv = gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
-        gemv(attn.attend(qkv, rotary, backend).contiguous(), attn.o_proj.weight, add_to=stream)
-        gate_up = gemv(stream, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps)
-        gemv(gate_up, mlp.down_proj.weight, silu_mul=True, add_to=stream)
+        qkv = linear_few(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        linear_few(attn.attend(qkv, rotary, backend).contiguous(), attn.o_proj.weight, add_to=stream)
+        gate_up = linear_few(stream, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps)
+        linear_few(gate_up, mlp.down_proj.weight, silu_mul=True, add_to=stream)
 
 
 class LlamaModel(nn.Module):
@@ -155,8 +156,11 @@ class LlamaModel(nn.Module):
         assert self.rope is not None, "call init_rope() first"
         h = self.embed_tokens(input_ids)
         rotary = self.rope.batch(positions, h.dtype)
-        if h.is_cuda and h.shape[0] == 1:
-            return self._forward_row(h, rotary, backend, logit_rows)
+        if h.is_cuda:
+            from radixlm.runtime.kernels.gemv import MAX_ROWS
+
+            if h.shape[0] <= MAX_ROWS:
+                return self._forward_rows(h, rotary, backend, logit_rows)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, rotary, backend)
@@ -166,15 +170,15 @@ class LlamaModel(nn.Module):
         h, _ = self.norm.add_forward(h, residual)
         return linear(h, self.lm_head_weight).float()
 
-    def _forward_row(self, h: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend,
-                     logit_rows: torch.Tensor | None) -> torch.Tensor:
-        """forward() for one token on CUDA: the residual stream updated in place layer by layer."""
-        from radixlm.runtime.kernels.gemv import gemv
+    def _forward_rows(self, h: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend,
+                      logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """forward() for few tokens on CUDA: the residual stream updated in place layer by layer."""
+        from radixlm.runtime.kernels.gemv import linear_few
 
         for layer in self.layers:
-            layer.forward_row(h, rotary, backend)
+            layer.forward_rows(h, rotary, backend)
         if logit_rows is not None:
             h = h[logit_rows]
         if h.shape[0] == 0:
             return h.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
-        return gemv(h, self.lm_head_weight, norm_weight=self.norm.weight, eps=self.norm.eps).float()
+        return linear_few(h.contiguous(), self.lm_head_weight, norm_weight=self.norm.weight, eps=self.norm.eps).float()

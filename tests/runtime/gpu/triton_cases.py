@@ -103,7 +103,7 @@ def fused_errors(arch: ModelArch, tokens: int, dtype: torch.dtype, device: str, 
 
 
 def gemv_errors(device: str, dtype: torch.dtype, gen: torch.Generator) -> dict[str, float]:
-    """The batch-1 GEMV kernel against an fp64 product: K a multiple of the block and not, with
+    """The batch-1 GEMV kernel (and the few-row kernel) against an fp64 product: K a multiple of the block and not, with
     and without bias, N not a multiple of the block."""
     from radixlm.runtime.kernels.gemv import GemvConfig, gemv
 
@@ -133,6 +133,36 @@ def gemv_errors(device: str, dtype: torch.dtype, gen: torch.Generator) -> dict[s
     ref = (stream + torch.nn.functional.linear(x, w)).double()
     out = gemv(x, w, add_to=stream)
     errs["gemv add_to"] = ((out.double() - ref).norm() / ref.norm()).item() + (0.0 if out is stream else 1.0)
+    errs.update(rows_errors(device, dtype, gen))
+    return errs
+
+
+def rows_errors(device: str, dtype: torch.dtype, gen: torch.Generator) -> dict[str, float]:
+    """The few-row linear kernel (through `linear_few`, as the model calls it) against PyTorch:
+    row counts under and over one 16-row block, K and N not multiples of the block, bias, the
+    RMSNorm prologue, SiLU*up and the residual add."""
+    from radixlm.runtime.kernels.gemv import RowsConfig, linear_few, linear_rows
+
+    errs = {}
+    rel = lambda got, ref: ((got.double() - ref.double()).norm() / ref.double().norm()).item()  # noqa: E731
+    for m, n, k in ((3, 70, 1500), (20, 33, 256)):
+        x = torch.randn(m, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
+        b = torch.randn(n, generator=gen).to(device, dtype)
+        ref = x.double() @ w.double().T + b.double()
+        errs[f"rows {m}x{n}x{k} bias"] = rel(linear_rows(x, w, b, RowsConfig(16, 64, 4, 2)), ref)
+        nw = torch.randn(k, generator=gen).to(device, dtype)
+        xf = x.float()
+        normed = nw * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        errs[f"rows {m} rms_norm"] = rel(linear_few(x, w, norm_weight=nw, eps=1e-5), normed.double() @ w.double().T)
+        gate_up = torch.randn(m, 2 * k, generator=gen).to(device, dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        ref = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w)
+        errs[f"rows {m} silu_mul"] = rel(linear_few(gate_up, w, silu_mul=True), ref)
+        stream = torch.randn(m, n, generator=gen).to(device, dtype)
+        ref = stream.double() + x.double() @ w.double().T
+        out = linear_few(x, w, add_to=stream)
+        errs[f"rows {m} add_to"] = rel(out, ref) + (0.0 if out is stream else 1.0)
     return errs
 
 

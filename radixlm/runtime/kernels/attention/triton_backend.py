@@ -26,7 +26,7 @@ from radixlm.runtime.kv_pool import KVPool
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
-DECODE_BLOCK_N = 64
+DECODE_BLOCK_N = 32  # with 2 programs per SM and 3 stages: the H100 sweep's best overall
 
 
 @triton.jit
@@ -86,8 +86,8 @@ def _decode_partial_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_rt,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     scale,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    SPLITS, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,7 +134,7 @@ def _decode_partial_kernel(
 def _decode_merge_kernel(
     O, MidO, MidLse, kv_lens, tokens,
     stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -164,10 +164,11 @@ def _pow2(n: int) -> int:
 
 
 def decode_splits(batch_size: int, kv_heads: int, num_sms: int) -> int:
-    """KV splits per sequence: enough programs to fill the GPU about four times over, from the
-    batch size rounded up to a power of two (so graph buckets and eager batches agree)."""
+    """KV splits per sequence: enough programs to fill the GPU about twice over, from the batch
+    size rounded up to a power of two (so graph buckets and eager batches agree). Chosen with
+    the split count, block and pipeline depth from the sweep of benchmarks/decode_kernels.py."""
     programs = _pow2(batch_size) * kv_heads
-    return min(MAX_SPLITS, _pow2(math.ceil(4 * num_sms / programs)))
+    return min(MAX_SPLITS, _pow2(math.ceil(2 * num_sms / programs)))
 
 
 class TritonAttention:
@@ -239,15 +240,15 @@ class TritonAttention:
                 q, k_cache, v_cache, mid_o, mid_lse, r2t, rows, kv_lens, tokens,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), r2t.stride(0),
                 mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-                self.scale,
+                self.scale, splits,
                 GROUP=self.group, G_PAD=self.g_pad, D=self.head_dim, D_PAD=self.d_pad,
-                SPLITS=splits, BLOCK_N=DECODE_BLOCK_N, PRECISION=self.precision, num_warps=4, num_stages=2,
+                BLOCK_N=DECODE_BLOCK_N, PRECISION=self.precision, num_warps=4, num_stages=3,
             )
             _decode_merge_kernel[(bs, self.num_heads)](
                 out, mid_o, mid_lse, kv_lens, tokens,
                 out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-                mid_lse.stride(0), mid_lse.stride(1),
-                D=self.head_dim, D_PAD=self.d_pad, SPLITS=splits, BLOCK_N=DECODE_BLOCK_N, num_warps=1,
+                mid_lse.stride(0), mid_lse.stride(1), splits,
+                D=self.head_dim, D_PAD=self.d_pad, BLOCK_N=DECODE_BLOCK_N, num_warps=1,
             )
         if self._extend is not None:
             rows, q_starts, q_lens, kv_lens, max_q = self._extend
