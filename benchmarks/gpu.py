@@ -3,7 +3,8 @@
 - HBM copy bandwidth measured here, and the bs1 decode roofline it implies (weight bytes plus
   KV bytes read per token over that bandwidth);
 - decode output tok/s at batch 1/8/32/64/128 (input 128, output 256), triton attention + CUDA graphs
-  + the overlap schedule, and at batch 1 and 64 with the overlap schedule off;
+  + the overlap schedule, and at batch 1 and 64 with the overlap schedule off; at batch 64 also
+  sampled (temperature 0.8, top-p 0.95, top-k 50) with the overlap schedule on and off;
 - prefill tok/s at 1k/4k/8k tokens;
 - HF transformers `generate` on the same config (random weights) at batch 1 and 64, and HF
   prefill;
@@ -74,9 +75,13 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(1000, 120000, (n, length), generator=gen).tolist()
 
 
-def decode_tok_s(engine: Engine, bs: int) -> float:
-    """Output tok/s after the first token: bs * (OUT_LEN - 1) over the time after the last TTFT."""
-    params = {"temperature": 0, "max_new_tokens": OUT_LEN, "ignore_eos": True}
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+
+
+def decode_tok_s(engine: Engine, bs: int, sampling: dict[str, float] | None = None) -> float:
+    """Output tok/s after the first token: bs * (OUT_LEN - 1) over the time after the last TTFT.
+    Greedy unless `sampling` is given."""
+    params = {"temperature": 0, "max_new_tokens": OUT_LEN, "ignore_eos": True, **(sampling or {})}
     engine.flush_cache()
     t0 = time.perf_counter()
     res = engine.generate(input_ids=random_prompts(bs, IN_LEN, seed=bs), sampling_params=params)
@@ -243,10 +248,13 @@ def main() -> None:
     for bs in DECODE_BS:
         res["decode_tok_s"][bs] = v = decode_tok_s(engine, bs)
         log(f"decode bs{bs} tok/s", f"{v:.1f}")
+    res["decode_tok_s_sampled"] = {"overlap": decode_tok_s(engine, 64, SAMPLED)}
     engine.core.overlap = False  # the same steps without the overlap schedule, for comparison
     res["decode_tok_s_no_overlap"] = {bs: decode_tok_s(engine, bs) for bs in (1, 64)}
+    res["decode_tok_s_sampled"]["no_overlap"] = decode_tok_s(engine, 64, SAMPLED)
     engine.core.overlap = True
     log("decode bs1/bs64 tok/s, overlap off", [f"{v:.1f}" for v in res["decode_tok_s_no_overlap"].values()])
+    log("decode bs64 sampled tok/s, overlap on/off", [f"{v:.1f}" for v in res["decode_tok_s_sampled"].values()])
     res["graph_step_ms"] = {bs: graph_step_ms(engine, bs) for bs in DECODE_BS}
     log("graph replay ms per bs", {bs: f"{v:.3f}" for bs, v in res["graph_step_ms"].items()})
     for n in PREFILL_LENS:
@@ -306,6 +314,9 @@ def print_table(r: dict[str, Any]) -> None:
                      + (f"{hf:>12.1f}{v / hf:>8.1f}x" if hf else f"{'':>12}{'':>9}") + extra)
     for bs, v in r["decode_tok_s_no_overlap"].items():
         lines.append(f"{f'decode bs{bs}, overlap schedule off':<34}{v:>12.1f}")
+    sampled = ", ".join(f"{k}={v}" for k, v in SAMPLED.items())
+    for mode, v in r.get("decode_tok_s_sampled", {}).items():
+        lines.append(f"{f'decode bs64 sampled, {mode}':<34}{v:>12.1f}   ({sampled})")
     for n, v in r["prefill_tok_s"].items():
         hf = r["hf_prefill_tok_s"][n]
         lines.append(f"{f'prefill {n} tok/s':<34}{v:>12.0f}{hf:>12.0f}{v / hf:>8.2f}x")
