@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import triton
 
+from gemv import graph_us  # benchmarks/gemv.py, beside this script
+
 from radixlm.runtime.kernels import fused
 from radixlm.runtime.kernels.attention import triton_backend as tb
 
@@ -29,33 +31,10 @@ HEADS, KV_HEADS, D, HIDDEN, INTER = 32, 8, 128, 4096, 14336
 BATCHES = (1, 8, 64, 128)
 CONTEXTS = (256, 1024, 4096)
 POOL_SLOTS = 1 << 20
+CALLS = 20  # calls per captured graph
 
 
 _FLUSH: torch.Tensor | None = None
-
-
-def _graph_us(fn: Callable[[], Any], calls: int = 20, replays: int = 10) -> float:
-    """Per-call µs of `fn` captured `calls` times in one CUDA graph (no launch gaps), median
-    over replays."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def median_us(fn: Callable[[], Any], cold: bool = False) -> float:
@@ -63,11 +42,11 @@ def median_us(fn: Callable[[], Any], cold: bool = False) -> float:
     timed alone, is subtracted), as for K/V that earlier layers evicted."""
     global _FLUSH
     if not cold:
-        return _graph_us(fn)
+        return graph_us([fn] * CALLS)
     if _FLUSH is None:
         _FLUSH = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     flush = _FLUSH
-    return _graph_us(lambda: (flush.fill_(1), fn())) - _graph_us(lambda: flush.fill_(1))
+    return graph_us([lambda: (flush.fill_(1), fn())] * CALLS) - graph_us([lambda: flush.fill_(1)] * CALLS)
 
 
 def attention_case(bs: int, ctx: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, torch.Tensor]:

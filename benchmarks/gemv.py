@@ -17,14 +17,14 @@ import itertools
 import json
 import statistics
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from gpu import hbm_copy_gbps  # benchmarks/gpu.py, beside this script
 
-from radixlm.runtime.kernels.gemv import GemvConfig, RowsConfig, gemv, linear_rows
+from radixlm.runtime.kernels.gemv import GemvConfig, gemv, linear_rows
 
 SHAPES = {  # name: (N, K) of Llama-3-8B's weights
     "qkv_proj": (6144, 4096),
@@ -38,19 +38,18 @@ QUICK = {"block_n": (8, 16), "block_k": (512,), "num_warps": (4,), "num_stages":
 ROWS_SWEEP = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256), "num_warps": (4, 8), "num_stages": (3, 5)}
 
 
-def graph_time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-                  weights: list[torch.Tensor], replays: int = 20) -> float:
-    """Median per-call µs of `fn(x, w)` over all `weights`, captured once as a graph."""
+def graph_us(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+    """Median per-call µs of `calls`, captured once, in order, as one CUDA graph (no launch gaps)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(x, w)
+    with torch.cuda.stream(stream):  # warm-up: compile, create library handles
+        for call in calls[:2]:
+            call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
+        for call in calls:
+            call()
     graph.replay()
     times = []
     for _ in range(replays):
@@ -59,15 +58,21 @@ def graph_time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: t
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(weights))
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
     return statistics.median(times)
+
+
+def graph_time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                  weights: list[torch.Tensor]) -> float:
+    """Median per-call µs of `fn(x, w)` over all `weights`, captured once as a graph."""
+    return graph_us([lambda w=w: fn(x, w) for w in weights])
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def sweep_shapes(m: int, configs: list[GemvConfig] | list[RowsConfig]) -> tuple[dict[str, object], list[tuple]]:
+def sweep_shapes(m: int, configs: list[GemvConfig] | list[GemvConfig]) -> tuple[dict[str, object], list[tuple]]:
     """Every weight shape at `m` rows: cuBLAS, and the triton kernel under each launch shape."""
     kernel = gemv if m == 1 else linear_rows
     entries: dict[str, object] = {}
@@ -115,7 +120,7 @@ def main() -> None:
     tables = {}
     for m in [1] + [int(v) for v in args.rows.split(",") if v]:
         sweep = (QUICK if args.quick else SWEEP) if m == 1 else ROWS_SWEEP
-        cls = GemvConfig if m == 1 else RowsConfig
+        cls = GemvConfig if m == 1 else GemvConfig
         entries, tables[m] = sweep_shapes(m, [cls(*v) for v in itertools.product(*sweep.values())])
         results["shapes" if m == 1 else f"shapes_rows{m}"] = entries
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

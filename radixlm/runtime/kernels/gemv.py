@@ -23,12 +23,24 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch shape: output features per program, K per loop step, warps, pipeline depth."""
+    """Launch shape of `gemv` and `linear_rows`: output features per program, K per loop step,
+    warps, pipeline depth (the defaults are `gemv`'s)."""
 
     block_n: int = 8
     block_k: int = 1024
     num_warps: int = 8
     num_stages: int = 3
+
+
+@triton.jit
+def _weight_tile(w_ptr, offs_k, n_mask, k_mask, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at columns `offs_k`; rows past N (and, unless K is a
+    multiple of the block, columns past K) read 0."""
+    if EVEN_K:
+        w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+    else:
+        w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return w
 
 
 PLAIN, SILU_MUL, RMS_NORM = 0, 1, 2  # what the kernel does to its input row before the product
@@ -45,10 +57,7 @@ def _gemv_kernel(X, W, B, NW, Y, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr, P
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if EVEN_K:
-            w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _weight_tile(w_ptr, offs_k, n_mask, k_mask, EVEN_K)
         x = tl.load(X + offs_k, mask=k_mask, other=0.0)
         xf = x.to(tl.float32)
         if PROLOGUE == 1:  # X = [gate | up]: SiLU(gate) * up, rounded where the unfused kernel rounds
@@ -103,16 +112,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y
 
 
-@dataclass(frozen=True)
-class RowsConfig:
-    """Launch shape of `linear_rows`: output features per program, K per step, warps, stages."""
-
-    block_n: int = 64
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
-
-
 MAX_ROWS = 32  # above this cuBLAS was as fast inside the 8B model's decode step (docs/gpu.md)
 
 
@@ -130,10 +129,7 @@ def _rows_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if EVEN_K:
-            w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptr + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _weight_tile(w_ptr, offs_k, n_mask, k_mask, EVEN_K)
         x = tl.load(x_ptr + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
@@ -148,7 +144,7 @@ def _rows_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: RowsConfig | None = None, *, add_to: torch.Tensor | None = None) -> torch.Tensor:
+                config: GemvConfig | None = None, *, add_to: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] for 1 <= M <= MAX_ROWS; with `add_to`
     ([M, N]) the result is added into it in place and it is returned (the residual stream)."""
     m, k = x.shape
@@ -169,15 +165,15 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-def rows_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> RowsConfig:
+def rows_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """The launch shape for `m` rows and `n` output features: per row-block size, the shape with
     the least time over a Llama-3-8B step (32 layers' four weights and the LM head) in the H100
     sweep of benchmarks/gemv.py --rows (docs/gpu.md); the LM head gets its own above 16 rows."""
     if dtype == torch.float32:  # four-byte tiles: fewer stages fit in shared memory
-        return RowsConfig(32, 64, 4, 3)
+        return GemvConfig(32, 64, 4, 3)
     if m <= 16:
-        return RowsConfig(64, 256, 4, 5)
-    return RowsConfig(128, 128, 4, 3) if n >= 65536 else RowsConfig(32, 256, 4, 5)
+        return GemvConfig(64, 256, 4, 5)
+    return GemvConfig(128, 128, 4, 3) if n >= 65536 else GemvConfig(32, 256, 4, 5)
 
 
 def linear_few(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -141,7 +141,7 @@ def rows_errors(device: str, dtype: torch.dtype, gen: torch.Generator) -> dict[s
     """The few-row linear kernel (through `linear_few`, as the model calls it) against PyTorch:
     row counts under and over one 16-row block, K and N not multiples of the block, bias, the
     RMSNorm prologue, SiLU*up and the residual add."""
-    from radixlm.runtime.kernels.gemv import RowsConfig, linear_few, linear_rows
+    from radixlm.runtime.kernels.gemv import GemvConfig, linear_few, linear_rows
 
     errs = {}
     rel = lambda got, ref: ((got.double() - ref.double()).norm() / ref.double().norm()).item()  # noqa: E731
@@ -150,7 +150,7 @@ def rows_errors(device: str, dtype: torch.dtype, gen: torch.Generator) -> dict[s
         w = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
         b = torch.randn(n, generator=gen).to(device, dtype)
         ref = x.double() @ w.double().T + b.double()
-        errs[f"rows {m}x{n}x{k} bias"] = rel(linear_rows(x, w, b, RowsConfig(16, 64, 4, 2)), ref)
+        errs[f"rows {m}x{n}x{k} bias"] = rel(linear_rows(x, w, b, GemvConfig(16, 64, 4, 2)), ref)
         nw = torch.randn(k, generator=gen).to(device, dtype)
         xf = x.float()
         normed = nw * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
