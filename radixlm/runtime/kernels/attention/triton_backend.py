@@ -30,6 +30,28 @@ DECODE_BLOCK_N = 32  # with 2 programs per SM and 3 stages: the H100 sweep's bes
 
 
 @triton.jit
+def _attend_block(q, K, V, slot_row, offs_n, n_mask, visible, head_off, offs_d, d_mask, stride_ks, scale,
+                  m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One block of context positions into an online softmax: gather the positions' K/V rows
+    through their slots (`slot_row`: the request's row of the slot table), score the queries
+    (scale folded with log2 e; `visible` masks scores), and return the updated running max,
+    sum and output accumulator (fp32)."""
+    slots = tl.load(slot_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+    kv_off = slots[:, None] * stride_ks + head_off + offs_d[None, :]
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     Q, K, V, O, req_to_token, rows, q_starts, q_lens, kv_lens,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_rt,
@@ -61,20 +83,10 @@ def _extend_kernel(
         for start in range(0, end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            slots = tl.load(req_to_token + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
-            kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = (offs_n[None, :] <= (prefix + offs_m)[:, None]) & n_mask[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, K, V, req_to_token + row * stride_rt, offs_n, n_mask, visible,
+                                          kv_head * stride_kh, offs_d, d_mask, stride_ks, scale, m_i, l_i, acc,
+                                          PRECISION)
         out = acc / l_i[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -112,19 +124,9 @@ def _decode_partial_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            slots = tl.load(req_to_token + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
-            kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, K, V, req_to_token + row * stride_rt, offs_n, n_mask, n_mask[None, :],
+                                          kv_head * stride_kh, offs_d, d_mask, stride_ks, scale, m_i, l_i, acc,
+                                          PRECISION)
         mid = b * stride_mb + heads * stride_mh + split * stride_ms
         tl.store(MidO + mid[:, None] + offs_d[None, :], acc / l_i[:, None], mask=g_mask[:, None] & d_mask[None, :])
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask)
