@@ -47,6 +47,8 @@ from typing import Any
 
 import aiohttp
 
+from radixlm.runtime.server.http_call import http_call
+
 WORDS = ("apple river stone cloud music paper garden window silver orange planet bridge forest "
          "candle engine market winter summer violet harbor lantern meadow pocket rocket").split()
 SYSTEMS = ("You are a helpful assistant. Answer briefly.",
@@ -332,18 +334,7 @@ async def run_session(http: aiohttp.ClientSession, url: str, rng: random.Random,
 
 # -- server-side checks --------------------------------------------------------------------
 def http_json(url: str, path: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method="POST" if data else "GET",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, text = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
+    return http_call(url + path, "POST" if body is not None else "GET", body, timeout=timeout)
 
 
 def wait_idle(url: str, deadline_s: float = IDLE_DEADLINE_S) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 
+from radixlm.runtime.server.http_call import http_call
+
 START_DEADLINE_S = 180.0
 
 
@@ -46,18 +48,7 @@ class Server:
     def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
                 headers: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[int, Any]:
         """(status, parsed JSON body or text) for one call; HTTP errors are returned, not raised."""
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        hdrs = {"Content-Type": "application/json", **self.headers, **(headers or {})}
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=hdrs)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                status, text = resp.status, resp.read().decode()
-        except urllib.error.HTTPError as e:
-            status, text = e.code, e.read().decode()
-        try:
-            return status, json.loads(text)
-        except json.JSONDecodeError:
-            return status, text
+        return http_call(self.url + path, method, body, raw, {**self.headers, **(headers or {})}, timeout)
 
     def get(self, path: str, **kw: Any) -> tuple[int, Any]:
         return self.request("GET", path, **kw)
