@@ -27,6 +27,7 @@ import copy
 import json
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import regex
@@ -296,37 +297,9 @@ def _merge(a: Any, b: Any, deref: Any) -> Any:
     return out
 
 
-def _repeated_group_with_repeat(pattern: str) -> bool:
-    """True for a group that is repeated or optional and itself holds a repeat, such as
-    ``(-[a-z]+)?``: xgrammar's JSON-string regexes then let the group's first part be skipped
-    (``1.2a`` passes ``^1\\.2(-[a-z]+)?$``)."""
-    stack = [False]  # per open group: holds a quantifier
-    in_class, i, n = False, 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "(":
-            stack.append(False)
-            if pattern.startswith("(?", i):
-                i += 1  # (?: and friends: that '?' is no quantifier
-        elif c == ")" and len(stack) > 1:
-            inner = stack.pop()
-            if inner and i + 1 < n and pattern[i + 1] in "?*+{":
-                return True
-            stack[-1] = stack[-1] or inner
-        elif c in "?*+" or (c == "{" and re.match(r"\{\d", pattern[i:])):
-            stack[-1] = True
-        i += 1
-    return False
-
-
-def _dot_outside_class(pattern: str) -> bool:
+def _outside_classes(pattern: str) -> Iterator[tuple[int, str]]:
+    """(index, character) of each regex character that is neither escaped nor inside a
+    character class."""
     in_class, i = False, 0
     while i < len(pattern):
         c = pattern[i]
@@ -337,10 +310,33 @@ def _dot_outside_class(pattern: str) -> bool:
             in_class = c != "]"
         elif c == "[":
             in_class = True
-        elif c == ".":
-            return True
+        else:
+            yield i, c
         i += 1
+
+
+def _repeated_group_with_repeat(pattern: str) -> bool:
+    """True for a group that is repeated or optional and itself holds a repeat, such as
+    ``(-[a-z]+)?``: xgrammar's JSON-string regexes then let the group's first part be skipped
+    (``1.2a`` passes ``^1\\.2(-[a-z]+)?$``)."""
+    stack = [False]  # per open group: holds a quantifier
+    opened = -1  # index of the last group opening
+    for i, c in _outside_classes(pattern):
+        if c == "(":
+            stack.append(False)
+            opened = i
+        elif c == ")" and len(stack) > 1:
+            inner = stack.pop()
+            if inner and i + 1 < len(pattern) and pattern[i + 1] in "?*+{":
+                return True
+            stack[-1] = stack[-1] or inner
+        elif c in "*+" or (c == "?" and opened != i - 1) or (c == "{" and re.match(r"\{\d", pattern[i:])):
+            stack[-1] = True  # (a '?' right after '(' opens (?: and friends: no quantifier)
     return False
+
+
+def _dot_outside_class(pattern: str) -> bool:
+    return any(c == "." for _, c in _outside_classes(pattern))
 
 
 class _Checker:
