@@ -69,8 +69,10 @@ def test_select_through_prompt_logprobs(openai_text, engine_backend):
     remote = pick.run(backend=openai_text)
     local = pick.run(backend=engine_backend)
     assert remote["fruit"] == local["fruit"] == " apple"
+    # bf16 logits differ in the last bits with the step's batch shape (what the server batched
+    # the prompts with, what its cache held): equal to ~1e-4 relative
     assert remote.get_meta_info("fruit")["scores"] == \
-        pytest.approx(local.get_meta_info("fruit")["scores"], abs=1e-3)
+        pytest.approx(local.get_meta_info("fruit")["scores"], rel=1e-3, abs=1e-3)
 
 
 def test_json_schema_through_response_format(openai_chat):

@@ -142,9 +142,10 @@ def test_select_regex_and_dtypes(engine_backend, endpoint):
         return st.variables()
 
     values = on_both(engine_backend, endpoint, run)
-    # choice scores are fp32 sums whose order differs with what the cache held: equal to ~1e-5
+    # choice scores are fp32 sums of bf16 logits, which differ in the last bits with the step's
+    # batch shape (what the server batched them with, what its cache held): equal to ~1e-4
     scores, remote_scores = (states[be].get_meta_info("city")["scores"] for be in (engine_backend, endpoint))
-    assert remote_scores == pytest.approx(scores, abs=1e-4)
+    assert remote_scores == pytest.approx(scores, rel=1e-3, abs=1e-3)
     assert values["city"] == " Paris" and scores.index(max(scores)) == 0
     assert len(values["prefix"]) == 2 and values["prefix"].isdigit()
     assert isinstance(values["year"], int) and isinstance(values["pop"], float)
