@@ -29,7 +29,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime" / "server"))
 from server_harness import Server, next_event, read_sse, start_server  # noqa: E402
-from test_server_faults import GREEDY, LONG, rss_mib, stuck_stream  # noqa: E402
+from test_server_faults import GREEDY, LONG, drain, rss_mib, stuck_stream  # noqa: E402
 
 POLL_S = 0.05
 
@@ -50,13 +50,7 @@ def stuck(server: Server) -> None:
             break
         time.sleep(POLL_S)
     aborted_s = time.monotonic() - t0
-    sock.settimeout(60)
-    held = 0
-    try:
-        while chunk := sock.recv(1 << 16):
-            held += len(chunk)
-    except ConnectionResetError:
-        pass
+    held = drain(sock, 60)
     sock.close()
     report(step="stuck stream", aborted_after_s=round(aborted_s, 2), bytes_held_by_socket=held,
            rss_before_mib=round(rss0, 1), rss_after_mib=round(rss_mib(server.proc.pid), 1),

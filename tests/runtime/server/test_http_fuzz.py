@@ -27,6 +27,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from json_tree import json_objects
 from server_harness import Server, start_server
 
 pytestmark = pytest.mark.slow
@@ -80,26 +81,18 @@ def bounded(spec: dict[str, Any]) -> dict[str, Any]:
     """The spec with generated values kept small where they only make runs long."""
     spec = copy.deepcopy(spec)
 
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            props = x.get("properties", {})
-            for key, limit in [*((k, MAX_NEW_TOKENS) for k in TOKEN_FIELDS), *((k, MAX_COPIES) for k in COPY_FIELDS)]:
-                if key in props:
-                    for s in _alternatives(props[key]):
-                        if s.get("type") == "integer":
-                            s["maximum"] = min(s.get("maximum", limit), limit)
-            for key in PROMPT_FIELDS:
-                if key in props:
-                    for s in _alternatives(props[key]):
-                        if s.get("type") == "array":
-                            s["maxItems"] = MAX_PROMPTS
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(spec)
+    for x in json_objects(spec):
+        props = x.get("properties", {})
+        for key, limit in [*((k, MAX_NEW_TOKENS) for k in TOKEN_FIELDS), *((k, MAX_COPIES) for k in COPY_FIELDS)]:
+            if key in props:
+                for s in _alternatives(props[key]):
+                    if s.get("type") == "integer":
+                        s["maximum"] = min(s.get("maximum", limit), limit)
+        for key in PROMPT_FIELDS:
+            if key in props:
+                for s in _alternatives(props[key]):
+                    if s.get("type") == "array":
+                        s["maxItems"] = MAX_PROMPTS
     return spec
 
 

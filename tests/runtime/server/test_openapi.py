@@ -9,6 +9,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from json_tree import json_objects
 
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.sampling_params import SamplingParams
@@ -52,19 +53,7 @@ def test_the_spec_is_openapi_31_with_valid_json_schemas_and_resolvable_refs(spec
     assert spec["openapi"].startswith("3.1") and json.loads(json.dumps(spec)) == spec
     for name, schema in spec["components"]["schemas"].items():
         jsonschema.Draft202012Validator.check_schema(schema)
-    refs = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            if isinstance(x.get("$ref"), str):
-                refs.append(x["$ref"])
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(spec)
+    refs = [x["$ref"] for x in json_objects(spec) if isinstance(x.get("$ref"), str)]
     assert refs
     for ref in refs:
         node: Any = spec

@@ -76,6 +76,18 @@ def stuck_stream(server: Server) -> socket.socket:
     return sock
 
 
+def drain(sock: socket.socket, timeout_s: float) -> int:
+    """Read a socket to its end (EOF or a reset); the bytes it still held."""
+    sock.settimeout(timeout_s)
+    received = 0
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += len(chunk)
+    except ConnectionResetError:
+        pass
+    return received
+
+
 def test_stuck_stream_is_aborted_and_others_proceed(server: Server, reference: str):
     rss_before = rss_mib(server.proc.pid)
     aborts_before = sum(server.metric("radixlm_slow_client_aborts_total", f'reason="{r}"')
@@ -110,13 +122,7 @@ def test_stuck_stream_is_aborted_and_others_proceed(server: Server, reference: s
                      for r in ("write_timeout", "pending_outputs"))
         assert aborts == aborts_before + 1
         # ... and its connection is closed: what was buffered, then EOF or a reset.
-        sock.settimeout(DEADLINE_S)
-        received = 0
-        try:
-            while chunk := sock.recv(1 << 16):
-                received += len(chunk)
-        except ConnectionResetError:
-            pass
+        received = drain(sock, DEADLINE_S)
         assert received > 0
     finally:
         sock.close()
