@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.runtime.kernels import fused
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -185,8 +187,6 @@ def linear_few(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     1.2-1.8x slower on the H100 (docs/gpu.md)."""
     if x.shape[0] == 1:
         return gemv(x, weight, bias, silu_mul=silu_mul, norm_weight=norm_weight, eps=eps, add_to=add_to)
-    from radixlm.runtime.kernels import fused
-
     if norm_weight is not None:
         x = fused.rms_norm(x, norm_weight, eps)
     if silu_mul:
