@@ -20,22 +20,12 @@ from typing import Any, Union
 
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore, RequestOutput
+from radixlm.runtime.intake import Submission
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.sessions import Session, SessionParams
 
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
 ParamsLike = Union[SamplingParams, Mapping[str, Any], None]
-
-
-@dataclass(frozen=True)
-class _Submit:
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool
-    logprob_start_len: int
-    top_logprobs_num: int
-    session: SessionParams | None = None
 
 
 class Engine:
@@ -183,7 +173,7 @@ class Engine:
 
     def _prepare(self, prompt, input_ids, sampling_params, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 session_params: SessionParams | Mapping[str, Any] | None = None) -> tuple[list[_Submit], bool]:
+                 session_params: SessionParams | Mapping[str, Any] | None = None) -> tuple[list[Submission], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if input_ids is not None:
@@ -197,7 +187,7 @@ class Engine:
         plist = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(plist)} sampling_params for {len(batch)} prompts; give one or one per prompt")
-        subs: list[_Submit] = []
+        subs: list[Submission] = []
         for p, sp in zip(batch, plist):
             params = _params(sp)
             ids = self.encode(p)
@@ -207,7 +197,7 @@ class Engine:
                     seed = None if params.seed is None else params.seed + i
                     copy = SamplingParams.from_dict({**params.to_dict(), "n": 1, "seed": seed})
                 rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-                subs.append(_Submit(rid, ids, copy, return_logprob, logprob_start_len, top_logprobs_num))
+                subs.append(Submission(rid, ids, copy, return_logprob, logprob_start_len, top_logprobs_num))
         session = None
         if session_params is not None:
             if len(subs) != 1:
@@ -223,7 +213,7 @@ class Engine:
             raise ValueError("streaming takes one prompt with n=1; call it once per prompt")
         return self._submit(subs)[0]
 
-    def _submit(self, subs: list[_Submit]) -> list[_Box]:
+    def _submit(self, subs: list[Submission]) -> list[_Box]:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         boxes = []
@@ -232,8 +222,7 @@ class Engine:
                 box = _Box(s.rid)
                 boxes.append(box)
                 try:
-                    self.core.add_request(s.rid, s.prompt_ids, s.params, s.return_logprob,
-                                          s.logprob_start_len, s.top_logprobs_num, s.session)
+                    self.core.add_request(s)
                 except ValueError:
                     for b in boxes[:-1]:
                         self.abort(b.rid)

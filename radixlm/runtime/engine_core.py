@@ -23,6 +23,7 @@ from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.kernels.sampling import SampleOutput, SamplingBatch, make_generator, sample, sample_tokens
 from radixlm.runtime.cuda_graph import graph_buckets
+from radixlm.runtime.intake import Submission
 from radixlm.runtime.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model.source import ModelSource, resolve_model
@@ -181,26 +182,19 @@ class EngineCore:
 
     def warm_up(self) -> None:
         """One short request through every stage, then an empty cache."""
-        self.add_request("warm-up", [self.source.arch.bos_token_id or 1] * 4,
-                         SamplingParams(max_new_tokens=2, temperature=0))
+        self.add_request(Submission("warm-up", [self.source.arch.bos_token_id or 1] * 4,
+                                    SamplingParams(max_new_tokens=2, temperature=0)))
         while self.has_work:
             self.step()
         self.cache.reset()
         self.steps = self.prompt_tokens_total = self.cached_tokens_total = 0
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(
-        self,
-        rid: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
-        session: SessionParams | None = None,
-    ) -> None:
-        """Queue a request; with ``session``, ``prompt_ids`` are the new turn's tokens, appended
-        to the history of the turn it continues (radixlm.runtime.sessions)."""
+    def add_request(self, sub: Submission) -> None:
+        """Queue a request; with ``sub.session``, ``sub.prompt_ids`` are the new turn's tokens,
+        appended to the history of the turn it continues (radixlm.runtime.sessions)."""
+        rid, prompt_ids, params, session = sub.rid, sub.prompt_ids, sub.params, sub.session
+        return_logprob, logprob_start_len, top_logprobs_num = sub.return_logprob, sub.logprob_start_len, sub.top_logprobs_num
         if rid in self.tracks:
             raise ValueError(f"request id {rid!r} is already in use")
         plan = None

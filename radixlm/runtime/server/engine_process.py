@@ -15,6 +15,7 @@ import zmq
 
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore
+from radixlm.runtime.intake import Submission
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.messages import (
     AbortRequest,
@@ -118,8 +119,8 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
 def _handle(core: EngineCore, msg: Any, outbox: zmq.Socket) -> None:
     if isinstance(msg, AddRequest):
         try:
-            core.add_request(msg.rid, msg.prompt_ids, SamplingParams.from_dict(msg.params), msg.return_logprob,
-                             msg.logprob_start_len, msg.top_logprobs_num, msg.session)
+            core.add_request(Submission(msg.rid, msg.prompt_ids, SamplingParams.from_dict(msg.params),
+                                        msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.session))
         except ValueError as e:
             outbox.send_pyobj(RequestFailed(msg.rid, str(e), bad_input=True,
                                             not_found=isinstance(e, SessionNotFoundError)))

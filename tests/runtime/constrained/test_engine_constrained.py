@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from radixlm.runtime.engine import Engine
+from radixlm.runtime.intake import Submission
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +152,7 @@ def test_abort_while_compiling(engine):
 
     core = engine.core
     schema = {"type": "object", "properties": {"never_compiled_before": {"type": "string"}}}
-    core.add_request("compiling", [1, 2, 3], SamplingParams(json_schema=schema))
+    core.add_request(Submission("compiling", [1, 2, 3], SamplingParams(json_schema=schema)))
     out = core.abort("compiling")
     assert out is not None and out.finished and out.meta["finish_reason"] == {"type": "abort"}
     while core.has_work:
