@@ -64,7 +64,7 @@ def _valid(text: str) -> bool:
 
 def run_mode(engine: Engine, chats: list, params: dict, batched: bool) -> dict:
     core = engine.core
-    core.grammar_seconds, core.grammar_tokens = 0.0, 0
+    core.grammar.seconds, core.grammar.tokens = 0.0, 0
     engine.flush_cache()
     t0 = time.perf_counter()
     if batched:
@@ -80,7 +80,7 @@ def run_mode(engine: Engine, chats: list, params: dict, batched: bool) -> dict:
         "out_tok_s": tokens / dt,
         "forward_passes_per_output": passes / len(outs),
         "tokens_per_output": tokens / len(outs),
-        "grammar_us_per_token": core.grammar_seconds / max(tokens, 1) * 1e6,
+        "grammar_us_per_token": core.grammar.seconds / max(tokens, 1) * 1e6,
         "valid": sum(_valid(o["text"]) for o in outs),
         "n": len(outs),
     }

@@ -89,6 +89,13 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
 
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        """An int64 tensor of host values on the device, copied without waiting for queued work."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
     def fetch_ids(self, ids: torch.Tensor) -> Callable[[], list[int]]:
         """Start copying int64 ids to the host; the returned call waits for them. On CUDA the
         copy is queued now, so work queued after it does not delay it."""

@@ -56,7 +56,7 @@ def test_top_k_1_is_argmax():
 def test_tiny_top_p_is_argmax():
     torch.manual_seed(0)
     logits = rand_logits(8, 64, seed=2)
-    gens = [None] * 4 + [make_generator(i, CPU) for i in range(4)]
+    gens = [None] * 4 + [make_generator(i) for i in range(4)]
     batch = build([SP(top_p=1e-6)] * 8, logits, gens=gens)
     assert not batch.all_greedy and batch.need_top_p
     for _ in range(5):
@@ -130,8 +130,8 @@ def test_mixed_greedy_and_sampled_batch():
 def run_seeded(logits_rows, params, seed_row, steps):
     """Sample `steps` times; returns the token sequence of `seed_row`."""
     out = []
-    gens = [make_generator(1234, CPU) if i == seed_row else
-            (make_generator(99 + i, CPU) if i % 2 else None) for i in range(len(params))]
+    gens = [make_generator(1234) if i == seed_row else
+            (make_generator(99 + i) if i % 2 else None) for i in range(len(params))]
     batch = build(params, logits_rows, gens=gens)
     for _ in range(steps):
         out.append(sample(logits_rows, batch).token_ids[seed_row])
@@ -152,7 +152,7 @@ def test_seed_reproducible_regardless_of_batch():
     torch.manual_seed(777)  # the global RNG state must not matter either
     assert run_seeded(mixed, companions, 2, 20) == alone
     assert run_seeded(target, [p], 0, 20) == alone
-    g1, g2 = make_generator(1, CPU), make_generator(2, CPU)
+    g1, g2 = make_generator(1), make_generator(2)
     b = build([p, p], torch.cat([target, target]), gens=[g1, g2])
     draws = [sample(torch.cat([target, target]), b).token_ids for _ in range(20)]
     assert any(x != y for x, y in draws)  # different seeds differ
@@ -208,7 +208,7 @@ def test_min_new_tokens_blocks_eos():
 def test_no_nan_when_everything_is_masked():
     torch.manual_seed(0)
     logits = torch.tensor([[1.0, 2.0, 3.0], [float("-inf")] * 3, [0.0, float("inf"), 1.0]])
-    gens = [None, make_generator(0, CPU), None]
+    gens = [None, make_generator(0), None]
     batch = build([SP(top_p=0.5)] * 3, logits, gens=gens, blocks=[[0, 1, 2], [], []])
     for _ in range(10):
         toks = sample(logits, batch, return_logprob=True).token_ids
@@ -266,7 +266,7 @@ def test_seeded_sampling_follows_softmax():
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0, 1.5, -1.0, 0.2]])
     probs = torch.softmax(logits, -1)[0].tolist()
     rows, steps = 100, 40
-    gens = [make_generator(s, CPU) for s in range(rows)]
+    gens = [make_generator(s) for s in range(rows)]
     batch = build([SP(top_k=100)] * rows, logits.repeat(rows, 1), gens=gens)
     counts = [0] * 8
     for _ in range(steps):

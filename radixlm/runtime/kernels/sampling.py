@@ -14,14 +14,16 @@ Pipeline per row, in this order (all in fp32):
    distribution, as HF/vLLM), min-p (relative to the top probability), and draw one token.
    The top-1 token always survives the filters, so a row never becomes empty or NaN.
 
-Every draw is an exponential race (Gumbel-max): ``argmax(w / E)`` with ``E ~ Exp(1)``, which
-picks token i with probability ``w_i / sum(w)``. Rows with a ``torch.Generator`` draw with it
-alone, over the row's own probabilities in vocabulary order (the draw ``torch.multinomial(w, 1,
-generator=g)`` makes, without its host-side checks), so a fixed seed gives the same tokens
-whatever else is in the batch; the caller keeps one generator per request across steps (see
-``make_generator``). Other rows share one batched race on the device's default generator.
-``sample_tokens`` never waits for the device (the overlap schedule queues it ahead of the host);
-``sample`` adds the copy to the host and the logprobs.
+Every draw is an inverse-CDF draw over the row's weights in vocabulary order: one uniform number
+``u`` per row, and the token whose cumulative weight first passes ``u * sum(w)``. Each request
+keeps its own generator (``make_generator``), a host-side ``random.Random`` that gives one ``u``
+per sampled token, so a fixed seed gives the same tokens whatever else is in the batch and
+whichever loop (plain or overlap) queues the step; rows without one draw ``u`` from torch's
+default CPU generator. ``sample_tokens`` never waits for the device (the overlap schedule queues
+it ahead of the host); ``sample`` adds the copy to the host and the logprobs.
+
+Temperatures are capped at ``MAX_TEMPERATURE`` (past it the distribution is uniform in fp32
+anyway; an infinite one would turn blocked ``-inf`` logits into NaN).
 
 Logprobs are ``log_softmax`` of the RAW logits (before penalties, temperature and filters),
 in fp32. This is vLLM's default (``raw_logprobs``) and SGLang's greedy path; note that recent
@@ -31,21 +33,31 @@ SGLang reports temperature-scaled logprobs for sampled rows unless
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from radixlm.runtime.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+MAX_TEMPERATURE = 1e6
+
+RowGenerator = random.Random
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator for one seeded request; any Python int is accepted (taken mod 2**64)."""
-    g = torch.Generator(device=torch.device(device))
-    g.manual_seed(int(seed) % (1 << 64))
-    return g
+def _tensor(data: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of host data on ``device``; on CUDA copied without waiting for queued work."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def make_generator(seed: int) -> RowGenerator:
+    """The generator of one request's draws; any Python int is accepted."""
+    return random.Random(int(seed))
 
 
 @dataclass
@@ -82,8 +94,7 @@ class SamplingBatch:
     need_top_p: bool
     need_min_p: bool
     sort_width: int  # columns kept by the sort/top-k stage
-    seeded: list[tuple[int, torch.Generator]]  # (position among sampled rows, generator)
-    unseeded_pos: torch.Tensor | None  # (U,) positions among sampled rows; None = all of them
+    seeded: list[tuple[int, RowGenerator]]  # (position among sampled rows, its generator)
     # -- penalties (None when no row uses one) --
     need_penalties: bool
     penalty_rows: torch.Tensor | None  # (P,) int64
@@ -101,7 +112,7 @@ class SamplingBatch:
         cls,
         params: Sequence[SamplingParams],
         output_ids: Sequence[Sequence[int]],
-        generators: Sequence[torch.Generator | None] | None,
+        generators: Sequence[RowGenerator | None] | None,
         vocab_size: int,
         device: torch.device | str,
         eos_ids_to_block: Sequence[Sequence[int]] | None = None,
@@ -109,7 +120,8 @@ class SamplingBatch:
         """Gather one step's per-row parameters into tensors on ``device``.
 
         ``output_ids[i]``: tokens row i has generated so far (for penalties).
-        ``generators[i]``: the row's generator if its request is seeded, else None.
+        ``generators[i]``: the row's generator (``make_generator``), or None to draw from torch's
+        default CPU generator.
         ``eos_ids_to_block[i]``: tokens to forbid this step (row below min_new_tokens).
         """
         device = torch.device(device)
@@ -131,10 +143,10 @@ class SamplingBatch:
         rows = [i for i in range(b) if not is_greedy[i]]
         all_greedy = not rows
 
-        sample_rows = temperatures = top_ks = top_ps = min_ps = unseeded_pos = None
+        sample_rows = temperatures = top_ks = top_ps = min_ps = None
         need_temperature = need_top_k = need_top_p = need_min_p = False
         sort_width = vocab_size
-        seeded: list[tuple[int, torch.Generator]] = []
+        seeded: list[tuple[int, RowGenerator]] = []
         if rows:
             sp = [params[i] for i in rows]
             ks = [vocab_size if (p.top_k == -1 or p.top_k >= vocab_size) else p.top_k for p in sp]
@@ -145,26 +157,12 @@ class SamplingBatch:
             if need_top_k or need_top_p:
                 # Every sampled row keeps at most max(k) tokens, so a partial top-k suffices.
                 sort_width = max(ks)
-            sample_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            temperatures = torch.tensor(
-                [p.temperature for p in sp], dtype=torch.float32, device=device
-            ).unsqueeze(1)
-            top_ks = torch.tensor(ks, dtype=torch.int64, device=device)
-            top_ps = torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=device)
-            min_ps = torch.tensor([p.min_p for p in sp], dtype=torch.float32, device=device)
-            unseeded: list[int] = []
-            for pos, i in enumerate(rows):
-                g = generators[i]
-                if g is None:
-                    unseeded.append(pos)
-                else:
-                    if g.device.type != device.type:
-                        raise ValueError(
-                            f"generator of row {i} is on {g.device}, logits are on {device}"
-                        )
-                    seeded.append((pos, g))
-            if seeded:
-                unseeded_pos = torch.tensor(unseeded, dtype=torch.int64, device=device)
+            sample_rows = _tensor(rows, torch.int64, device)
+            temperatures = _tensor([min(p.temperature, MAX_TEMPERATURE) for p in sp], torch.float32, device).unsqueeze(1)
+            top_ks = _tensor(ks, torch.int64, device)
+            top_ps = _tensor([p.top_p for p in sp], torch.float32, device)
+            min_ps = _tensor([p.min_p for p in sp], torch.float32, device)
+            seeded = [(pos, g) for pos, g in enumerate(generators[i] for i in rows) if g is not None]
 
         # Penalties: one entry per distinct (row, token) among generated tokens.
         pen_rows = [
@@ -213,8 +211,8 @@ class SamplingBatch:
                     br.append(i)
                     bt.append(t)
             if br:
-                block_rows = torch.tensor(br, dtype=torch.int64, device=device)
-                block_tokens = torch.tensor(bt, dtype=torch.int64, device=device)
+                block_rows = _tensor(br, torch.int64, device)
+                block_tokens = _tensor(bt, torch.int64, device)
 
         return cls(
             batch_size=b,
@@ -233,7 +231,6 @@ class SamplingBatch:
             need_min_p=need_min_p,
             sort_width=sort_width,
             seeded=seeded,
-            unseeded_pos=unseeded_pos,
             need_penalties=need_penalties,
             penalty_rows=penalty_rows,
             penalty_tokens=penalty_tokens,
@@ -376,48 +373,43 @@ def sample(
     sorted by descending logprob. Logprobs come from the raw logits (see module docstring).
     """
     tokens = sample_tokens(logits, batch)
-    return _with_logprobs(logits, tokens.tolist(), tokens, top_logprobs_num, return_logprob)
+    return with_logprobs(logits, tokens.tolist(), tokens, top_logprobs_num, return_logprob)
 
 
-def _race(w: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Index along the last dim drawn with probability ``w / w.sum()``: argmax(w / E), E ~ Exp(1)
-    from ``generator`` (the device's default one when None).
+def _uniforms(batch: SamplingBatch, n: int) -> torch.Tensor:
+    """One uniform draw in [0, 1) per sampled row, on the batch's device, without a device sync:
+    from the row's own generator, or torch's default CPU generator for rows without one."""
+    u = torch.rand(n, dtype=torch.float64)
+    for pos, gen in batch.seeded:
+        u[pos] = gen.random()
+    if batch.device.type == "cuda":
+        return u.pin_memory().to(batch.device, non_blocking=True)
+    return u.to(batch.device)
 
-    The clamp keeps a zero draw from turning a filtered token (w = 0) into 0/0 = NaN.
-    """
-    e = torch.empty_like(w).exponential_(generator=generator).clamp_(min=torch.finfo(w.dtype).tiny)
-    return (w / e).argmax(dim=-1)
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the index whose cumulative weight first exceeds ``u * sum(w)``: index i with
+    probability ``w_i / sum(w)``. A draw that rounding puts past the last positive weight takes
+    the row's top token, so a zero-weight (filtered) token is never picked."""
+    cum = w.cumsum(dim=-1)
+    target = (u.to(cum.dtype).unsqueeze(1) * cum[:, -1:]).contiguous()
+    pick = torch.searchsorted(cum, target, right=True).squeeze(1).clamp_(max=w.shape[1] - 1)
+    ok = w.gather(1, pick.unsqueeze(1)).squeeze(1) > 0
+    return torch.where(ok, pick, w.argmax(dim=-1))
 
 
 def _sample_rows(x: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) -> None:
     """Overwrite ``tokens`` at the sampled rows with their draws."""
     weights, idx = _filtered_weights(x.index_select(0, batch.sample_rows), batch)
-    picked = torch.empty(weights.shape[0], dtype=torch.int64, device=weights.device)
-
-    if batch.unseeded_pos is None or batch.unseeded_pos.numel() > 0:
-        w = weights if batch.unseeded_pos is None else weights.index_select(0, batch.unseeded_pos)
-        choice = _race(w)
-        if idx is not None:
-            i = idx if batch.unseeded_pos is None else idx.index_select(0, batch.unseeded_pos)
-            choice = i.gather(1, choice.unsqueeze(1)).squeeze(1)
-        if batch.unseeded_pos is None:
-            picked = choice
-        else:
-            picked.index_copy_(0, batch.unseeded_pos, choice)
-
-    for pos, gen in batch.seeded:
-        row = weights[pos]
-        if idx is not None:
-            # Back to vocab order so the draw does not depend on the batch's sort width.
-            row = torch.zeros(batch.vocab_size, dtype=row.dtype, device=row.device).scatter_(
-                0, idx[pos], row
-            )
-        picked[pos] = _race(row, gen)
-
+    if idx is not None:
+        # back to vocabulary order, so a row's draw does not depend on its batch's sort width
+        weights = torch.zeros(weights.shape[0], batch.vocab_size, dtype=weights.dtype,
+                              device=weights.device).scatter_(1, idx, weights)
+    picked = _inverse_cdf(weights, _uniforms(batch, weights.shape[0]))
     tokens.index_copy_(0, batch.sample_rows, picked)
 
 
-def _with_logprobs(
+def with_logprobs(
     logits: torch.Tensor,
     token_ids: list[int],
     tokens: torch.Tensor,
@@ -449,3 +441,11 @@ def _with_logprobs(
             list(zip(ids_l[i][: nums[i]], vals_l[i][: nums[i]])) for i in range(b)
         ]
     return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
+
+
+def token_logprobs(logits: torch.Tensor, targets: Sequence[int]) -> list[float]:
+    """Logprob of ``targets[i]`` under row i of ``logits`` (raw, fp32): prompt-token logprobs."""
+    rows = logits[: len(targets)]
+    lp = torch.log_softmax(rows.float(), dim=-1)
+    picked: list[float] = lp[torch.arange(len(targets)), torch.tensor(list(targets))].tolist()
+    return picked

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 
 from radixlm.runtime.radix_cache.allocator import SlotAllocator
-from radixlm.runtime.radix_cache.base import MatchResult, PrefixCache
+from radixlm.runtime.radix_cache.base import IntegrityError, MatchResult, PrefixCache
 from radixlm.runtime.radix_cache.no_cache import NoCache
 from radixlm.runtime.radix_cache.radix_cache import RadixCache
 
@@ -13,4 +13,4 @@ CACHES: dict[str, Callable[[SlotAllocator, int], PrefixCache]] = {
     "none": NoCache,
 }
 
-__all__ = ["CACHES", "MatchResult", "NoCache", "PrefixCache", "RadixCache", "SlotAllocator"]
+__all__ = ["CACHES", "IntegrityError", "MatchResult", "NoCache", "PrefixCache", "RadixCache", "SlotAllocator"]

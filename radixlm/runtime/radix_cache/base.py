@@ -7,6 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+class IntegrityError(RuntimeError):
+    """KV bookkeeping broke an invariant (a leaked slot, a stray lock): a bug, reported, never asserted."""
+
+
 @dataclass(frozen=True)
 class MatchResult:
     """A cached prefix: its KV slots (a fresh list the caller may keep) and an opaque node.

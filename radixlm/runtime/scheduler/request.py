@@ -1,4 +1,7 @@
-"""A request as the scheduler sees it: token ids, sampling params and KV bookkeeping."""
+"""A request as the scheduler sees it: token ids, sampling params and KV bookkeeping.
+
+The engine's request (radixlm.runtime.request.EngineRequest) is this object with its output
+state added; the scheduler only ever reads and writes the fields declared here."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    matched_stop: str | int | None = None  # the stop string or token that ended the output
     arrival: int = 0
     # KV bookkeeping, owned by the scheduler
     row: int = -1

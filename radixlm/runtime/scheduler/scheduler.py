@@ -97,6 +97,15 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
 
+    def end_reason(self, req: Request) -> str | None:
+        """Why req is finished after its newest token: "stop" (a stop matched), "length" (its
+        max_new_tokens, or the context, is full), or None (it goes on)."""
+        if req.matched_stop is not None:
+            return "stop"
+        if len(req.output_ids) >= req.params.max_new_tokens or req.fill_len >= self.max_context:
+            return "length"
+        return None
+
     def rewind(self, req: Request, length: int) -> None:
         """Drop the KV of positions >= length (their tokens were replaced, e.g. by jump-forward).
 

@@ -1,0 +1,185 @@
+"""GrammarStage: the constrained-decoding phase of a step.
+
+It compiles each new request's constraint off the step loop, masks the logits of a step's
+constrained rows (one bitmask fill per row and step), accepts the sampled tokens and plans the
+jump over forced text. A failing grammar engine fails its own request, never the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixlm.runtime.config import ConstraintConfig
+from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
+from radixlm.runtime.constrained.grammar import Grammar
+from radixlm.runtime.constrained.jump_forward import Jump
+from radixlm.runtime.constrained.service import ERROR_PREFIX, GrammarService
+from radixlm.runtime.request import EngineRequest
+
+log = logging.getLogger(__name__)
+
+COMPILE_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long one step waits
+
+
+@dataclass(frozen=True)
+class GrammarStep:
+    """What the grammar made of a sampled token: the jump over forced text (or None), and
+    whether the output is complete with nothing but a stop token allowed next."""
+
+    jump: Jump | None
+    done: bool
+
+
+class GrammarStage:
+    def __init__(self, make_service: Callable[[], GrammarService], vocab_size: int, config: ConstraintConfig) -> None:
+        self._make_service = make_service
+        self._service: GrammarService | None = None
+        self.vocab_size = vocab_size
+        self.config = config
+        self._compiling: dict[str, tuple[EngineRequest, Future[Grammar]]] = {}
+        # a row filled after a token (to ask whether only a stop token may follow), kept for the next step
+        self._next_rows: dict[str, tuple[torch.Tensor, bool]] = {}
+        self.seconds = 0.0  # masks, accepts and jumps, for the per-token grammar cost
+        self.tokens = 0
+
+    @property
+    def service(self) -> GrammarService:
+        """The grammar service, built on the first constrained request."""
+        if self._service is None:
+            self._service = self._make_service()
+        return self._service
+
+    # -- compiling ---------------------------------------------------------------------
+    def submit(self, req: EngineRequest) -> None:
+        """Start compiling req's constraint; a malformed spec raises ValueError here."""
+        constraint = req.params.constraint
+        assert constraint is not None
+        self._compiling[req.rid] = (req, self.service.submit(*constraint))
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def cancel(self, rid: str) -> bool:
+        """Forget a request still compiling; True if it was."""
+        entry = self._compiling.pop(rid, None)
+        if entry is None:
+            return False
+        entry[1].cancel()
+        return True
+
+    def ready(self, idle: bool) -> tuple[list[EngineRequest], list[tuple[EngineRequest, str]]]:
+        """Requests whose grammar compiled (with their matcher set), and those whose compile
+        failed (with the error). ``idle``: nothing else to run, so wait a little for one."""
+        if idle and self._compiling:
+            wait([f for _, f in self._compiling.values()], timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+        done: list[EngineRequest] = []
+        failed: list[tuple[EngineRequest, str]] = []
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                req.matcher = future.result().new_matcher()
+            except ValueError as e:
+                failed.append((req, str(e)))
+                continue
+            done.append(req)
+        return done, failed
+
+    # -- the step ----------------------------------------------------------------------
+    def mask(self, logits: torch.Tensor, reqs: list[EngineRequest]) -> list[tuple[EngineRequest, str]]:
+        """Give each constrained row of ``logits`` its grammar's bitmask; other rows stay as
+        they are. Returns the requests whose grammar engine failed (their rows stay unmasked:
+        the caller ends them)."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        masked: list[int] = []
+        failed: list[tuple[EngineRequest, str]] = []
+        for j, i in enumerate(rows):
+            req = reqs[i]
+            kept = self._next_rows.pop(req.rid, None)
+            try:
+                if kept is not None:
+                    bitmask[j] = kept[0]
+                    is_masked = kept[1]
+                else:
+                    assert req.matcher is not None
+                    is_masked = req.matcher.fill_mask(bitmask[j])
+            except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
+                failed.append((req, self.engine_error("masking", e)))
+                continue
+            if is_masked:
+                masked.append(j)
+        if masked:
+            apply_bitmask_(logits, bitmask[masked], [rows[j] for j in masked])
+        self.seconds += time.perf_counter() - t0
+        return failed
+
+    def accept(self, req: EngineRequest, token: int) -> bool:
+        """Advance req's matcher over a sampled token; False when the grammar refuses it."""
+        assert req.matcher is not None
+        t0 = time.perf_counter()
+        ok = req.matcher.accept(token)
+        self.seconds += time.perf_counter() - t0
+        self.tokens += 1
+        return ok
+
+    def after_token(self, req: EngineRequest, limit: int, floor: int) -> GrammarStep:
+        """After an accepted token: the jump over the text the grammar now forces (the output
+        may grow to ``limit`` tokens; tokens before ``floor`` stay), and whether the output is
+        complete with only a stop token allowed next."""
+        matcher = req.matcher
+        assert matcher is not None
+        t0 = time.perf_counter()
+        jump = None
+        if req.jump_forward:
+            jump = self.service.jump_forward.jump(matcher, req.output_ids, floor, limit)
+        done = False
+        if matcher.is_completed():
+            # the next step's row, filled now: it also says whether only a stop token may follow
+            row = allocate_bitmask(1, self.vocab_size)[0]
+            is_masked = matcher.fill_mask(row)
+            done = is_masked and self._only_stop_allowed(row)
+            if not done:
+                self._next_rows[req.rid] = (row, is_masked)
+        self.seconds += time.perf_counter() - t0
+        return GrammarStep(jump, done)
+
+    def forget(self, rid: str) -> None:
+        """req finished: drop what was kept for its next step."""
+        self._next_rows.pop(rid, None)
+
+    @property
+    def stop_id(self) -> int:
+        """The stop token reported when a grammar ends the output."""
+        return self.service.vocab.stop_ids[0]
+
+    def _only_stop_allowed(self, row: torch.Tensor) -> bool:
+        row = row.clone()
+        for t in self.service.vocab.stop_ids:
+            bit = 1 << (t % 32)
+            row[t // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)  # int32 words
+        return not bool(row.any())
+
+    @staticmethod
+    def engine_error(what: str, e: BaseException) -> str:
+        log.exception("grammar engine failed while %s", what)
+        return f"{ERROR_PREFIX} the grammar engine failed while {what} ({type(e).__name__}: {e})"
+
+    def shutdown(self) -> None:
+        if self._service is not None:
+            self._service.shutdown()
+
+    def stats(self) -> dict[str, Any]:
+        return {"grammar_seconds": self.seconds, "grammar_tokens": self.tokens}

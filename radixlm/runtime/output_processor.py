@@ -1,0 +1,214 @@
+"""Output processing, the last phase of a step: each sampled token becomes text and an output.
+
+Per token: the grammar accepts it (and may jump over forced text), the detokenizer and stop
+matcher turn it into text, logprobs are recorded, and the scheduler says whether the request
+is finished (by a stop, or by length); a finished request gets its totals (`meta`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.grammar_stage import GrammarStage
+from radixlm.runtime.request import EngineRequest
+from radixlm.runtime.scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in a step (deltas), plus its totals once finished.
+
+    ``replace_from``: jump-forward re-tokenized output tokens already reported; drop the output
+    ids from this index on before appending ``token_ids_delta`` (text is only ever appended).
+    ``meta``: the totals once finished; before that, a logprob request's logprobs of the new tokens.
+    ``error``: the request failed (its constraint did not compile, or its grammar engine
+    failed); it is finished.
+    """
+
+    rid: str
+    text_delta: str
+    token_ids_delta: list[int]
+    finished: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+    replace_from: int | None = None
+    error: str | None = None
+
+    def apply_ids(self, ids: list[int]) -> None:
+        """Bring a list of this request's output ids up to date with this output."""
+        if self.replace_from is not None:
+            del ids[self.replace_from :]
+        ids.extend(self.token_ids_delta)
+
+
+@dataclass
+class Totals:
+    """Prompt tokens of finished requests and how many of them came from the cache."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, scheduler: Scheduler, grammar: GrammarStage, context_length: int,
+                 on_finish: Callable[[EngineRequest], dict[str, Any]]) -> None:
+        """``on_finish``: called once per finished request, returns extra meta (its session turn)."""
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.grammar = grammar
+        self.context_length = context_length
+        self.on_finish = on_finish
+        self.totals = Totals()
+
+    def append(self, reqs: list[EngineRequest], tokens: list[int], logprobs: list[float] | None = None,
+               top_logprobs: list[list[tuple[int, float]]] | None = None) -> list[RequestOutput]:
+        """Each request's sampled token: grammar, text, stops, finishing."""
+        now = time.perf_counter()
+        results = []
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            req.output_ids.append(tok)
+            if req.matcher is not None:
+                error = self._accept(req, tok)
+                if error is not None:
+                    results.append(self.fail(req, error))
+                    continue
+            req.first_token_at = req.first_token_at or now
+            if req.return_logprob and logprobs is not None:
+                req.output_logprobs.append((logprobs[i], tok))
+                if req.top_logprobs_num and top_logprobs is not None:
+                    req.output_top_logprobs.append([(lp, t) for t, lp in top_logprobs[i]])
+            results.append(self._advance(req, tok))
+        return results
+
+    def _accept(self, req: EngineRequest, tok: int) -> str | None:
+        """None when the grammar accepts tok; else why the request must end."""
+        try:
+            if self.grammar.accept(req, tok):
+                return None
+        except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
+            return self.grammar.engine_error("accepting a token", e)
+        return ""  # refused: the request ends as aborted, without an error (as a sampler slip would)
+
+    def _advance(self, req: EngineRequest, tok: int) -> RequestOutput:
+        p = req.params
+        delta = ""
+        if tok in req.eos_ids or tok in p.stop_token_ids:
+            req.matched_stop = tok
+        if req.matched_stop is None or p.no_stop_trim:  # a matched stop token stays out of the text
+            delta, matched = req.stop.feed(req.detok.push([tok]))
+            if req.matched_stop is None and matched is None and req.matcher is not None:
+                try:
+                    forced, matched, done = self._grammar_advance(req)
+                except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
+                    return self.fail(req, self.grammar.engine_error("jumping forward", e))
+                delta += forced
+                if done:
+                    req.matched_stop = self.grammar.stop_id
+            if matched is not None:
+                req.matched_stop = matched
+        reason = self.scheduler.end_reason(req)
+        if reason is not None and not isinstance(req.matched_stop, str):  # the stream ends: release held text
+            tail, matched = req.stop.feed(req.detok.flush())
+            delta += tail
+            if matched is None:
+                delta += req.stop.flush()
+                matched = req.stop.matched
+            if matched is not None:
+                req.matched_stop, reason = matched, "stop"
+        req.text += delta
+        if reason is None:
+            return self._output(req, delta)
+        self.scheduler.finish(req, reason)
+        return self.finish(req, delta)
+
+    def _grammar_advance(self, req: EngineRequest) -> tuple[str, str | None, bool]:
+        """Jump over forced text. Returns (text added, stop string matched in it, whether the
+        grammar is complete and allows nothing but a stop token)."""
+        limit = min(req.params.max_new_tokens, self.context_length - len(req.prompt_ids))
+        floor = max(req.tree_len - len(req.prompt_ids), 0)
+        step = self.grammar.after_token(req, limit, floor)
+        text, matched = "", None
+        if step.jump is not None:
+            text, matched = self._apply_jump(req, step.jump.keep, list(step.jump.new_ids), step.jump.text)
+        return text, matched, matched is None and step.done
+
+    def _apply_jump(self, req: EngineRequest, keep: int, new_ids: list[int], text: str) -> tuple[str, str | None]:
+        del req.output_ids[keep:]
+        req.output_ids.extend(new_ids)
+        self.scheduler.rewind(req, len(req.prompt_ids) + keep)
+        req.forced_tokens += len(new_ids)
+        if req.return_logprob:  # forced tokens have probability 1 under the constraint
+            del req.output_logprobs[keep:]
+            req.output_logprobs.extend((0.0, t) for t in new_ids)
+            if req.top_logprobs_num:
+                del req.output_top_logprobs[keep:]
+                req.output_top_logprobs.extend([(0.0, t)] for t in new_ids)
+        if keep < req.sent_tokens:
+            req.sent_tokens = keep
+            req.replace_from = keep if req.replace_from is None else min(req.replace_from, keep)
+        p = req.params
+        req.detok = IncrementalDetokenizer(
+            self.tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens, req.fill_ids[-4:]
+        )
+        return req.stop.feed(text)
+
+    def _output(self, req: EngineRequest, delta: str) -> RequestOutput:
+        start = req.sent_tokens
+        ids = req.output_ids[start:]
+        req.sent_tokens = len(req.output_ids)
+        out = RequestOutput(req.rid, delta, ids, replace_from=req.replace_from)
+        if req.return_logprob and ids:  # a streaming client gets the new tokens' logprobs with them
+            out.meta = {"output_token_logprobs": req.output_logprobs[start:]}
+            if req.top_logprobs_num:
+                out.meta["output_top_logprobs"] = req.output_top_logprobs[start:]
+        req.replace_from = None
+        return out
+
+    def fail(self, req: EngineRequest, error: str) -> RequestOutput:
+        """End req as aborted; a non-empty ``error`` is reported to its caller."""
+        self.scheduler.finish(req, "abort")
+        out = self.finish(req)
+        out.error = error or None
+        return out
+
+    def finish(self, req: EngineRequest, delta: str = "") -> RequestOutput:
+        """The last output of a finished request, with its totals."""
+        out = self._output(req, delta)
+        out.finished = True
+        out.meta = self._meta(req)
+        out.meta.update(self.on_finish(req))
+        self.grammar.forget(req.rid)
+        return out
+
+    def _meta(self, req: EngineRequest) -> dict[str, Any]:
+        self.totals.prompt_tokens += len(req.prompt_ids)
+        self.totals.cached_tokens += req.cached_tokens
+        now = time.perf_counter()
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": _finish_reason(req.finish_reason, req.matched_stop),
+            "e2e_latency": now - req.created,
+            "ttft": (req.first_token_at - req.created) if req.first_token_at else None,
+            "retractions": req.retractions,
+            "forward_passes": req.forward_passes,
+        }
+        if req.matcher is not None:
+            meta["forced_tokens"] = req.forced_tokens
+        if req.return_logprob:
+            meta["input_token_logprobs"] = req.input_logprobs
+            meta["output_token_logprobs"] = req.output_logprobs
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = req.output_top_logprobs
+        return meta
+
+
+def _finish_reason(reason: str | None, matched: str | int | None) -> dict[str, Any]:
+    if reason == "stop":
+        return {"type": "stop", "matched": matched}
+    return {"type": reason}
