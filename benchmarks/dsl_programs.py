@@ -32,7 +32,7 @@ from radixlm.lang.backends.base import (
     StreamChunk,
     TokenLogprob,
 )
-from radixlm.lang.frontend.chat_template import ChatTemplate, from_tokenizer
+from radixlm.runtime.chat_template import ChatTemplate, from_tokenizer
 from radixlm.runtime.engine import Engine
 
 FACTS = [

@@ -8,7 +8,9 @@
 - prefill tok/s at 1k/4k/8k tokens;
 - HF transformers `generate` on the same config (random weights) at batch 1 and 64, and HF
   prefill;
-- radix cache on vs off on 64 requests sharing a 2k-token prefix.
+- radix cache on vs off on 64 requests sharing a 2k-token prefix;
+- structured output: a 5-field `json_schema` against free text (ignore_eos) at batch 1/16/64,
+  max_new_tokens 128, output tokens over the whole generate call (issue 15's table).
 
     python benchmarks/gpu.py --tokenizer DIR [--out benchmarks/results/gpu.json] [--profile]
 
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.engine import Engine
-from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.kernels.kv_pool import KVPool
 from radixlm.runtime.model.source import DUMMY_CONFIGS
 
 MODEL = "dummy:llama-3-8b"
@@ -111,6 +113,28 @@ def shared_prefix_run(engine: Engine) -> float:
     engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": PREFIX_OUT,
                                                         "ignore_eos": True})
     return time.perf_counter() - t0
+
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},
+                   "city": {"type": "string"}, "member": {"type": "boolean"}},
+    "required": ["name", "age", "email", "city", "member"],
+}
+JSON_BS, JSON_OUT = (1, 16, 64), 128
+
+
+def structured_tok_s(engine: Engine, bs: int, constrained: bool) -> float:
+    """Output tokens per second of one batched generate: the JSON schema, or free text that
+    runs to max_new_tokens."""
+    params: dict[str, Any] = {"temperature": 0, "max_new_tokens": JSON_OUT}
+    params.update({"json_schema": json.dumps(PERSON_SCHEMA)} if constrained else {"ignore_eos": True})
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    res = engine.generate(input_ids=random_prompts(bs, IN_LEN, seed=bs + 7), sampling_params=params)
+    elapsed = time.perf_counter() - t0
+    res = res if isinstance(res, list) else [res]
+    return sum(r["meta_info"]["completion_tokens"] for r in res) / elapsed
 
 
 def engine_for(tokenizer: str, cache: str) -> Engine:
@@ -260,6 +284,11 @@ def main() -> None:
     for n in PREFILL_LENS:
         res["prefill_tok_s"][n] = v = prefill_tok_s(engine, n)
         log(f"prefill {n} tok/s", f"{v:.0f}")
+    structured_tok_s(engine, 2, True)  # the grammar compiler's first use
+    res["structured_tok_s"] = {bs: {"free": structured_tok_s(engine, bs, False),
+                                    "json_schema": structured_tok_s(engine, bs, True)} for bs in JSON_BS}
+    log("free / json_schema out tok/s per bs", {bs: f"{v['free']:.0f} / {v['json_schema']:.0f}"
+                                                 for bs, v in res["structured_tok_s"].items()})
     res["shared_prefix_s"] = {"radix": shared_prefix_run(engine)}
     log("shared prefix, radix s", f"{res['shared_prefix_s']['radix']:.2f}")
     if args.profile:
@@ -323,6 +352,9 @@ def print_table(r: dict[str, Any]) -> None:
     sp = r["shared_prefix_s"]
     lines.append(f"{f'{PREFIX_REQS} reqs, {PREFIX_LEN}-token shared prefix':<34}"
                  f"{sp['radix']:>10.2f} s (radix) {sp['none']:.2f} s (no cache): {sp['none'] / sp['radix']:.1f}x")
+    for bs, v in r.get("structured_tok_s", {}).items():
+        lines.append(f"{f'bs{bs} json_schema / free out tok/s':<34}{v['json_schema']:>12.0f}{v['free']:>12.0f}"
+                     f"{v['json_schema'] / v['free']:>8.2f}x")
     lines.append(f"(HF decodes {HF_OUT} tokens per request; whole run {r['wall_s']:.0f} s)")
     print("\n".join(lines), flush=True)
 

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS
 from radixlm.runtime.constrained.grammar import (
-    GRAMMAR_BACKENDS,
     GrammarBackend,
     GrammarConfig,
     bitmask_width,

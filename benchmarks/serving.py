@@ -419,10 +419,13 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix="radixlm-serve-", suffix=".log")
         cmd = [sys.executable, "-m", "radixlm.cli", "serve", "--port", str(self.port), *args]
+        started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         os.close(fd)  # the child holds its own copy
         try:
             self._wait_healthy(deadline_s)
+            self.ready_s = time.monotonic() - started
+            print(f"server ready (/health 200) {self.ready_s:.1f} s after launch")
         except BaseException:
             self.stop()
             raise

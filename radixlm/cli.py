@@ -73,24 +73,70 @@ def engine_options(ns: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+# `radixlm generate` decodes greedily unless asked otherwise (the runtime's own default temperature is 1).
+GENERATE_DEFAULTS: dict[str, Any] = {"temperature": 0.0}
+_SAMPLING_DEST = "sampling."
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field (--top-p, --stop ...), from its declaration. A name an engine
+    flag already has (--seed, --jump-forward) gets a --sampling- prefix."""
+    from radixlm.runtime.sampling_params import DEFAULTS, PARAMS
+
+    engine = {f.name for cls in COMPONENT_TYPES for f in dataclasses.fields(cls)} | {"attention_backend"}
+    group = parser.add_argument_group("SamplingParams", "unset: the --sampling-params value, then the default")
+    for name, p in PARAMS.items():
+        flag = ("--sampling-" if name in engine else "--") + name.replace("_", "-")
+        default = GENERATE_DEFAULTS.get(name, DEFAULTS[name])
+        group.add_argument(flag, dest=_SAMPLING_DEST + name, default=None, metavar=name.upper(),
+                           help=f"{p.help} (default: {'none' if default in ((), None) else default})",
+                           **_sampling_flag(p.kind))
+
+
+def _sampling_flag(kind: str) -> dict[str, Any]:
+    if kind == "bool":
+        return {"type": _parse_bool, "nargs": "?", "const": True}  # --flag alone means true
+    if kind in ("stop", "choices", "token_ids"):
+        return {"type": int if kind == "token_ids" else str, "action": "append"}  # repeat the flag for more
+    return {"type": {"int": int, "float": float, "seed": int}.get(kind, str)}
+
+
+def sampling_options(ns: argparse.Namespace) -> dict[str, Any]:
+    """The sampling parameters given as flags (a dict for SamplingParams.from_dict)."""
+    return {k.removeprefix(_SAMPLING_DEST): v for k, v in vars(ns).items()
+            if k.startswith(_SAMPLING_DEST) and v is not None}
+
+
+def generate_params(ns: argparse.Namespace) -> Any:
+    """The SamplingParams of `radixlm generate`: flags over --sampling-params over GENERATE_DEFAULTS."""
+    from radixlm.runtime.sampling_params import SamplingParams
+
+    given = json.loads(ns.sampling_params) if ns.sampling_params else {}
+    if not isinstance(given, dict):
+        raise ValueError("--sampling-params must be a JSON object, e.g. '{\"top_p\": 0.9}'")  # noqa: TRY004
+    return SamplingParams.from_dict({**GENERATE_DEFAULTS, **given, **sampling_options(ns)})
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from radixlm.runtime.engine import Engine
 
-    params = json.loads(ns.sampling_params) if ns.sampling_params else {}
-    params.setdefault("max_new_tokens", ns.max_new_tokens)
-    params.setdefault("temperature", ns.temperature)
+    params = generate_params(ns)
     t0 = time.perf_counter()
     engine = Engine(**engine_options(ns))
     load = time.perf_counter() - t0
     prompt: Any = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
-    text_parts = []
     meta: dict[str, Any] = {}
-    for chunk in engine.stream(prompt, params):
-        sys.stdout.write(chunk["text"])
-        sys.stdout.flush()
-        text_parts.append(chunk["text"])
-        meta = chunk["meta_info"] or meta
-    sys.stdout.write("\n")
+    if params.n > 1:  # several completions: printed one after another when all are done
+        outs = engine.generate(prompt, params)
+        for i, out in enumerate(outs if isinstance(outs, list) else [outs]):
+            sys.stdout.write(f"{'' if i == 0 else chr(10)}--- completion {i}\n{out['text']}\n")
+            meta = out["meta_info"]
+    else:
+        for chunk in engine.stream(prompt, params):
+            sys.stdout.write(chunk["text"])
+            sys.stdout.flush()
+            meta = chunk["meta_info"] or meta
+        sys.stdout.write("\n")
     engine.shutdown()
     if ns.verbose:
         n, dt = meta.get("completion_tokens", 0), meta.get("e2e_latency", 0.0)
@@ -115,6 +161,13 @@ SERVER_HELP = {
                             "and the connection closed",
     "max_pending_outputs": "engine outputs one request may have waiting for its HTTP handler; then it is aborted",
     "debug_routes": "serve GET /debug/check: KV accounting and the radix cache's integrity check",
+    "header_timeout": "seconds a connection may take to send a request's headers; then it is closed (slowloris)",
+    "body_timeout": "seconds a request's body may take to arrive; then 408",
+    "max_response_bytes": "what one response may cost, estimated before it runs (400) and metered on streams",
+    "max_sessions": "open sessions at most; /open_session past it answers 429",
+    "max_session_ttl": "the largest ttl /open_session accepts, in seconds",
+    "special_tokens_in_content": "read special-token text in chat message content as control tokens "
+                                 "(the old behaviour: lets a user inject roles)",
 }
 
 
@@ -126,15 +179,21 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(ServerSettings)
     for f in dataclasses.fields(ServerSettings):
         kind = _scalar(hints[f.name])
-        switch = {"nargs": "?", "const": True} if kind is _parse_bool else {}  # --flag alone means true
+        switch: dict[str, Any] = {"nargs": "?", "const": True} if kind is _parse_bool else {}  # --flag: true
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
                            help=f"{SERVER_HELP.get(f.name, '')} (default: {f.default})", **switch)
+    group.add_argument("--api-key-file", default=None,
+                       help="read the API key from this file's first line (else --api-key, else $RADIXLM_API_KEY)")
 
 
 def server_settings(ns: argparse.Namespace) -> Any:
-    from radixlm.runtime.server.settings import ServerSettings
+    import os
 
-    return ServerSettings(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerSettings)})
+    from radixlm.runtime.server.settings import ServerSettings, resolve_api_key
+
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerSettings)}
+    values["api_key"] = resolve_api_key(ns.api_key, getattr(ns, "api_key_file", None), os.environ)
+    return ServerSettings(**values)
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -156,10 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt with the engine and stream the text")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-params", help='JSON object of sampling params, e.g. \'{"top_p": 0.9}\'')
     gen.add_argument("-v", "--verbose", action="store_true", help="print timing to stderr")
+    add_sampling_flags(gen)
     add_engine_flags(gen)
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="serve the model over HTTP (SGLang native and OpenAI-compatible APIs)")
@@ -172,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        return ns.func(ns)
+        return int(ns.func(ns))
     except ValueError as e:
         print(f"radixlm: error: {e}", file=sys.stderr)
         return 2

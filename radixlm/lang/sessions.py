@@ -34,6 +34,7 @@ class Session:
         self.text = ""
         self.messages: list[dict[str, str]] = []
         self.open_role: tuple[str, int] | None = None
+        self.plain_spans: list[tuple[int, int]] = []
         self.closed = False
         self._running = False
 
@@ -84,6 +85,7 @@ class SessionRun:
         sess.check_usable()
         sess._running = True
         root.text, root.messages, root.open_role = sess.text, list(sess.messages), sess.open_role
+        root.plain_spans = list(sess.plain_spans)
         return cls(sess, root, sess.text)
 
     def params(self, core: StateCore, n: int | None) -> dict[str, Any] | None:
@@ -97,8 +99,11 @@ class SessionRun:
         let the session continue from it."""
         root = self.root
         if root.text != self.covered:
-            await conn.generate(GenRequest(root.text, {"max_new_tokens": 0}, session=self.params(root, 1)))
-        self.session.text, self.session.messages, self.session.open_role = root.text, list(root.messages), root.open_role
+            await conn.generate(GenRequest(root.text, {"max_new_tokens": 0}, session=self.params(root, 1),
+                                           plain_spans=list(root.plain_spans)))
+        sess = self.session
+        sess.text, sess.messages, sess.open_role = root.text, list(root.messages), root.open_role
+        sess.plain_spans = list(root.plain_spans)
 
     def release(self) -> None:
         self.session._running = False

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radixlm.runtime.model.source import DEFAULT_MODEL
-
+# The built-in model served when none is named (radixlm.runtime.model.source resolves it).
+DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("bfloat16", "float32", "float16")
 
 

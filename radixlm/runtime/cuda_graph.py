@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -27,7 +27,10 @@ def graph_buckets(max_bs: int) -> tuple[int, ...]:
     return tuple(sorted({b for b in _BUCKETS if b < max_bs} | {max_bs}))
 
 
+@runtime_checkable
 class GraphableAttention(AttentionBackend, Protocol):
+    """An attention backend CUDA graphs can replay: ``isinstance(backend, GraphableAttention)``."""
+
     def bind_decode(self, out_slots: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
                     kv_lens: torch.Tensor, tokens: torch.Tensor) -> None:
         """Read a decode-only batch's layout from device buffers, with no host work."""
@@ -47,9 +50,9 @@ class DecodeGraphs:
         self.inputs = torch.zeros((_FIELDS, self.buckets[-1]), dtype=torch.int64, device=device)
         self.tokens = torch.arange(self.buckets[-1], dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle()  # one memory pool for all the graphs
         for bs in reversed(self.buckets):
-            self._capture(bs, pool)
+            self._capture(bs)
 
     @property
     def max_bs(self) -> int:
@@ -62,17 +65,18 @@ class DecodeGraphs:
         ids, positions, slots, rows, kv_lens = self.inputs[:, :bs]
         self.req_to_token[rows, positions] = slots
         self.attention.bind_decode(slots, self.req_to_token, rows, kv_lens, self.tokens[:bs])
-        return self.model(ids, positions, self.attention, None)
+        logits: torch.Tensor = self.model(ids, positions, self.attention, None)
+        return logits
 
-    def _capture(self, bs: int, pool: tuple[int, int]) -> None:
+    def _capture(self, bs: int) -> None:
         self.inputs[:, :bs].copy_(torch.tensor(self._padding(bs), dtype=torch.int64))
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ untyped
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compile kernels, create library handles
             self._forward(bs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(bs)
         self.graphs[bs] = (graph, logits)
 

@@ -27,7 +27,8 @@ what ``decode`` of the whole output gives. Valid UTF-8 is always exact.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 _REPLACEMENT = "\ufffd"
 # Tokens past the last clean character boundary before the window is cut inside a run of
@@ -110,8 +111,10 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(ids, **self._decode_kwargs)
+            text: str = self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        else:
+            text = self.tokenizer.decode(ids, **self._decode_kwargs)
+        return text
 
     @property
     def output_ids(self) -> list[int]:

@@ -9,23 +9,22 @@ the server runs the core in its own process anyway.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore, RequestOutput
-from radixlm.runtime.intake import Submission
+from radixlm.runtime.intake import PromptRequest, Submission, submissions
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.sessions import Session, SessionParams
+from radixlm.runtime.session_handle import Session
+from radixlm.runtime.sessions import SessionParams
 
-Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
-ParamsLike = Union[SamplingParams, Mapping[str, Any], None]
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+ParamsLike = SamplingParams | Mapping[str, Any] | None
 
 
 class Engine:
@@ -144,12 +143,12 @@ class Engine:
     def session(self, capacity: int | None = None, ttl: float | None = None,
                 session_id: str | None = None) -> Session:
         """Open a session and return a handle whose generate() continues it turn by turn."""
-        return Session(self, self.open_session(capacity, ttl, session_id))
+        return Session(self, self.open_session(capacity, ttl, session_id))  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
         """Abort whatever is still in flight."""
         with self._lock:
-            for rid in list(self.core.tracks):
+            for rid in list(self.core.requests):
                 self.abort(rid)
             self._closed = True
 
@@ -165,21 +164,28 @@ class Engine:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
         if prompt and all(isinstance(m, Mapping) for m in prompt):
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+            chat = [dict(m) for m in prompt if isinstance(m, Mapping)]
+            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
             return list(self.tokenizer.encode(text, add_special_tokens=False))
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+        ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
+        if len(ids) == len(prompt):
+            return ids
         raise ValueError("a prompt must be a string, a list of token ids, or a list of chat messages")
 
-    def _prepare(self, prompt, input_ids, sampling_params, return_logprob: bool = False,
+    def _prepare(self, prompt: Prompt | Sequence[Prompt] | None, input_ids: Any,
+                 sampling_params: ParamsLike | Sequence[ParamsLike], return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0,
                  session_params: SessionParams | Mapping[str, Any] | None = None) -> tuple[list[Submission], bool]:
+        """The request's completions, through the intake the server shares (radixlm.runtime.intake),
+        and whether the answer is one object (one prompt, n = 1) rather than a list."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
+        batch: list[Any]
         if input_ids is not None:
             batch = [input_ids] if input_ids and isinstance(input_ids[0], int) else list(input_ids)
             single = bool(input_ids) and isinstance(input_ids[0], int)
         else:
+            assert prompt is not None
             single = isinstance(prompt, str) or (bool(prompt) and not isinstance(prompt[0], (str, list, tuple)))
             batch = [prompt] if single else list(prompt)
         if not batch:
@@ -187,27 +193,16 @@ class Engine:
         plist = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(plist)} sampling_params for {len(batch)} prompts; give one or one per prompt")
-        subs: list[Submission] = []
-        for p, sp in zip(batch, plist):
-            params = _params(sp)
-            ids = self.encode(p)
-            for i in range(params.n):
-                copy = params
-                if params.n > 1:  # each completion its own sample; seeded ones stay reproducible
-                    seed = None if params.seed is None else params.seed + i
-                    copy = SamplingParams.from_dict({**params.to_dict(), "n": 1, "seed": seed})
-                rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-                subs.append(Submission(rid, ids, copy, return_logprob, logprob_start_len, top_logprobs_num))
-        session = None
-        if session_params is not None:
-            if len(subs) != 1:
-                raise ValueError("a session turn is one prompt with n=1; send the others as separate turns")
-            session = session_params if isinstance(session_params, SessionParams) else \
-                SessionParams.from_dict(session_params)
-            subs[0] = dataclasses.replace(subs[0], session=session)
+        prompts = [PromptRequest(f"{uuid.uuid4().hex[:12]}-{next(self._ids)}", self.encode(p), _params(sp),
+                                 return_logprob, logprob_start_len, top_logprobs_num)
+                   for p, sp in zip(batch, plist)]
+        session = session_params if session_params is None or isinstance(session_params, SessionParams) \
+            else SessionParams.from_dict(session_params)
+        subs = [s for copies in submissions(prompts, session) for s in copies]
         return subs, single and len(subs) == 1
 
-    def _submit_one(self, prompt, input_ids, sampling_params, kwargs: dict[str, Any]) -> _Box:
+    def _submit_one(self, prompt: Prompt | None, input_ids: Sequence[int] | None, sampling_params: ParamsLike,
+                    kwargs: dict[str, Any]) -> _Box:
         subs, single = self._prepare(prompt, input_ids, sampling_params, **kwargs)
         if not single:
             raise ValueError("streaming takes one prompt with n=1; call it once per prompt")
@@ -239,7 +234,7 @@ class Engine:
             try:
                 outputs = self.core.step()
             except Exception as e:  # noqa: BLE001 - surfaced to every affected caller
-                for rid in list(self.core.tracks):
+                for rid in list(self.core.requests):
                     self.core.abort(rid)
                     box = self._boxes.pop(rid, None)
                     if box is not None:

@@ -27,8 +27,8 @@ from radixlm.runtime.cuda_graph import graph_buckets
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
+from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample_tokens, token_logprobs, with_logprobs
-from radixlm.runtime.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model.source import ModelSource, resolve_model
 from radixlm.runtime.model_runner import ModelRunner
@@ -43,6 +43,12 @@ from radixlm.runtime.stop import StopMatcher
 __all__ = ["EngineCore", "RequestOutput"]
 
 DEFAULT_CONTEXT_CAP = 8192
+# Prompt lengths of the start-up requests on CUDA, one wave (one batch) per list: each wave's
+# prefill and decode steps hit other kernel shapes (1 row: GEMV; 2-32 rows: the few-row kernel,
+# specialized on rows % 16; more: cuBLAS; the extend attention at several lengths).
+_WARM_UP_GREEDY = SamplingParams(max_new_tokens=3, temperature=0)
+_WARM_UP_SAMPLED = SamplingParams(max_new_tokens=3, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
+_WARM_UP_WAVES = [[1], [5], [16], [17], [40], [512], [3, 9], [4] * 16, [4] * 17, [6] * 40]
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,8 @@ class EngineCore:
         self.source = source or resolve_model(mc.model, Path(mc.cache_dir), mc.tokenizer_path)
         arch = self.source.arch
         self.device = torch.device(mc.device)
+        if self.device.type == "cuda":  # compiled kernels stay in radixlm's cache: a restart loads them
+            os.environ.setdefault("TRITON_CACHE_DIR", str(Path(mc.cache_dir) / "triton"))
         dtype = getattr(torch, mc.dtype)
         self.context_length = mc.context_length or min(arch.max_position_embeddings, DEFAULT_CONTEXT_CAP)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
@@ -128,11 +136,20 @@ class EngineCore:
         }
 
     def warm_up(self) -> None:
-        """One short request through every stage, then an empty cache."""
-        self.add_request(Submission("warm-up", [self.source.arch.bos_token_id or 1] * 4,
-                                    SamplingParams(max_new_tokens=2, temperature=0)))
-        while self.has_work:
-            self.step()
+        """Start-up, the engine's first phase: run every kind of step its requests will, so none
+        of them pays for a kernel's first compile, then empty the cache. On CUDA (decode graphs
+        were captured at load): prefills of 1, a few (the few-row kernel), 16 and many tokens,
+        alone and batched; eager and graph decode batches; greedy and sampled rows. On the CPU
+        there is nothing to compile: one short request."""
+        bos = self.source.arch.bos_token_id or 1
+        waves = _WARM_UP_WAVES if self.device.type == "cuda" else [[4]]
+        cap = max(8, min(self.context_length // 2, self.config.scheduler.chunked_prefill_size or 512))
+        for w, lengths in enumerate(waves):
+            for i, n in enumerate(lengths):
+                params = _WARM_UP_SAMPLED if i % 2 else _WARM_UP_GREEDY
+                self.add_request(Submission(f"warm-up-{w}-{i}", [bos] * min(n, cap), params))
+            while self.has_work:
+                self.step()
         self.cache.reset()
         self.steps = 0
         self.output.totals.prompt_tokens = self.output.totals.cached_tokens = 0

@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from radixlm.runtime.batch import SeqStep
-from radixlm.runtime.cuda_graph import DecodeGraphs
+from radixlm.runtime.cuda_graph import DecodeGraphs, GraphableAttention
 from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS, AttentionMeta
-from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.kernels.kv_pool import KVPool
 from radixlm.runtime.model.llama import LlamaModel
 
 
@@ -42,7 +42,7 @@ class ModelRunner:
         self.req_to_token = torch.zeros((max_requests + 1, max_context), dtype=torch.int64, device=self.device)
         self.attention = ATTENTION_BACKENDS[attention_backend](self.pool, self.arch.num_heads, self.arch.head_dim)
         self.graphs: DecodeGraphs | None = None
-        if graph_buckets and self.device.type == "cuda" and hasattr(self.attention, "bind_decode"):
+        if graph_buckets and self.device.type == "cuda" and isinstance(self.attention, GraphableAttention):
             self.graphs = DecodeGraphs(model, self.attention, self.req_to_token, max_requests, graph_buckets)
 
     def forward(self, seqs: list[SeqStep], ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,12 +82,13 @@ class ModelRunner:
         self.req_to_token[torch.tensor(token_rows, dtype=torch.int64, device=dev), pos_t] = slot_t
         meta = AttentionMeta(slot_t, self.req_to_token, rows, q_starts, q_lens, kv_lens)
         self.attention.prepare(meta)
-        return self.model(
+        logits: torch.Tensor = self.model(
             ids if ids is not None else torch.tensor(tokens, dtype=torch.int64, device=dev),
             pos_t,
             self.attention,
             torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
+        return logits
 
     def to_device(self, values: list[int]) -> torch.Tensor:
         """An int64 tensor of host values on the device, copied without waiting for queued work."""
@@ -104,7 +105,7 @@ class ModelRunner:
             return lambda: host
         buf = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
         buf.copy_(ids, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record()
 
         def wait() -> list[int]:

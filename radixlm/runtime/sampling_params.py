@@ -1,4 +1,9 @@
-"""Per-request sampling parameters (SGLang's native ``sampling_params``), validated.
+"""Per-request sampling parameters (SGLang's native ``sampling_params``), declared once.
+
+Each field of `SamplingParams` carries a `Param` in its metadata: its help text, its kind and
+bounds, its OpenAI name and whether the DSL's ``gen`` takes it. Validation here, the server's
+OpenAPI schema and OpenAI field mapping, the CLI flags and the DSL's arguments all read that
+declaration (`PARAMS`), so a new field is one line here.
 
 Pure Python: no torch here, so the scheduler and the server can use it freely.
 Logprob options (``return_logprob``, ``top_logprobs_num``, ...) are request-level and live
@@ -10,17 +15,62 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal
 
 MAX_STOP_STRINGS = 32
 # Temperatures below this decode greedily: dividing logits by a tinier value risks overflow,
 # and the distribution is a point mass in fp32 anyway (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Above this the distribution is uniform in fp32 anyway; far above it logits / T underflow and
+# T * x overflows (1e300 made EOS sampleable inside min_new_tokens: issue 21).
+MAX_TEMPERATURE = 100.0
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
-_FLOAT_FIELDS = (
-    "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
-)
+
+# int, float, bool: scalars; seed: an int or null; text: a string or null; stop: strings;
+# token_ids: token ids; schema: a JSON schema (text, dict or Pydantic model); choices: strings.
+Kind = Literal["int", "float", "bool", "seed", "text", "stop", "token_ids", "schema", "choices"]
+
+
+@dataclass(frozen=True)
+class Param:
+    """What one sampling parameter is, for everything that reads or describes it."""
+
+    help: str
+    kind: Kind
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is out of range
+    off: int | None = None  # a value outside the bounds that turns the parameter off
+    note: str = ""  # said after the bounds in errors: what a special value means
+    openai: str | None = ""  # its OpenAI request field: "" the same name, None not an OpenAI field
+    openai_hi: float | None = None  # the OpenAI API's own, tighter upper bound
+    dsl: bool = False  # gen() / func.run() take it as a sampling argument
+
+    def range_text(self) -> str:
+        """The bounds as errors say them: '>= 0', 'in (0, 1]', '-1 (off) or >= 1'."""
+        lo, hi = self.lo, self.hi
+        if self.off is not None:
+            text = f"{self.off} (off) or >= {lo:g}"
+        elif lo is not None and hi is not None:
+            text = f"in {'(' if self.lo_open else '['}{lo:g}, {hi:g}]"
+        elif lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {lo:g}"
+        else:
+            text = f"<= {hi:g}"
+        return f"{text} ({self.note})" if self.note else text
+
+    def in_range(self, v: float) -> bool:
+        if self.off is not None and v == self.off:
+            return True
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or v <= self.hi
+
+
+def _param(default: Any, help: str, kind: Kind, **meta: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"param": Param(help, kind, **meta)})
 
 
 def _is_int(x: Any) -> bool:
@@ -42,161 +92,58 @@ class SamplingParams:
     ``choices`` (a list of strings: the output is exactly one of them) is stored as a tuple.
     """
 
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: int = 1
-    seed: int | None = None
-    regex: str | None = None
-    json_schema: str | None = None
-    ebnf: str | None = None
-    choices: tuple[str, ...] | None = None
-    jump_forward: bool = True
+    max_new_tokens: int = _param(128, "most tokens to generate; 0: prefill only (scores the prompt)", "int",
+                                 lo=0, openai="max_tokens", dsl=True)
+    min_new_tokens: int = _param(0, "fewest tokens to generate before EOS or a stop may end the output "
+                                    "(at most max_new_tokens)", "int", lo=0, openai="min_tokens", dsl=True)
+    temperature: float = _param(1.0, "softmax temperature; 0: greedy", "float", lo=0, hi=MAX_TEMPERATURE,
+                                note="0 means greedy", openai_hi=2, dsl=True)
+    top_p: float = _param(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass",
+                          "float", lo=0, lo_open=True, hi=1, dsl=True)
+    top_k: int = _param(-1, "keep only the k most likely tokens; -1: off", "int", lo=1, off=-1, dsl=True)
+    min_p: float = _param(0.0, "drop tokens less likely than min_p times the most likely one", "float",
+                          lo=0, hi=1, dsl=True)
+    repetition_penalty: float = _param(1.0, "divide the logits of tokens already seen by this; 1: off", "float",
+                                       lo=0, lo_open=True, note="1 means off", dsl=True)
+    frequency_penalty: float = _param(0.0, "subtract this times a token's count so far from its logit", "float",
+                                      lo=-2, hi=2, dsl=True)
+    presence_penalty: float = _param(0.0, "subtract this from the logit of every token seen so far", "float",
+                                     lo=-2, hi=2, dsl=True)
+    stop: tuple[str, ...] = _param((), f"strings that end the output (at most {MAX_STOP_STRINGS}); "
+                                       "not included unless no_stop_trim", "stop", dsl=True)
+    stop_token_ids: tuple[int, ...] = _param((), "token ids that end the output", "token_ids", dsl=True)
+    ignore_eos: bool = _param(False, "keep generating past the end-of-sequence token", "bool", dsl=True)
+    skip_special_tokens: bool = _param(True, "leave special tokens out of the output text", "bool")
+    spaces_between_special_tokens: bool = _param(True, "put spaces between special tokens in the output text",
+                                                 "bool")
+    no_stop_trim: bool = _param(False, "keep the matched stop string at the end of the output", "bool")
+    n: int = _param(1, "completions per prompt (a server counts each against its --max-queued-requests)", "int", lo=1,
+                    dsl=True)
+    seed: int | None = _param(None, "sampling seed (taken mod 2**64); copies of n > 1 get seed + i", "seed",
+                              dsl=True)
+    regex: str | None = _param(None, "the output matches this regular expression", "text")
+    json_schema: str | None = _param(None, "the output is JSON valid under this schema (object or its text)",
+                                     "schema")
+    ebnf: str | None = _param(None, "the output is in this EBNF grammar", "text")
+    choices: tuple[str, ...] | None = _param(None, "the output is exactly one of these strings", "choices",
+                                             openai=None)
+    jump_forward: bool = _param(True, "emit the text a grammar forces without a forward pass", "bool",
+                                openai=None)
 
     def __post_init__(self) -> None:
-        self._normalize()
-        self._validate()
+        for name, p in PARAMS.items():
+            value = normalize_value(name, p, getattr(self, name))
+            object.__setattr__(self, name, value)
+            check_value(name, p, value)
+        self._check_together()
 
-    # -- normalization -------------------------------------------------------------------
-    def _normalize(self) -> None:
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        elif isinstance(stop, (list, tuple)):
-            stop = tuple(stop)
-        else:
-            raise ValueError(
-                f"stop must be a string or a list of strings, got {type(stop).__name__}"
-            )
-        object.__setattr__(self, "stop", stop)
-
-        ids = self.stop_token_ids
-        if ids is None:
-            ids = ()
-        elif _is_int(ids):
-            ids = (ids,)
-        elif isinstance(ids, (list, tuple, set, frozenset)):
-            ids = tuple(ids)
-        else:
-            raise ValueError(
-                f"stop_token_ids must be a list of ints, got {type(ids).__name__}"
-            )
-        object.__setattr__(self, "stop_token_ids", ids)
-
-        schema = self.json_schema
-        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a Pydantic model
-            schema = schema.model_json_schema()
-        if isinstance(schema, (Mapping, bool)):
-            try:
-                text = json.dumps(schema, separators=(",", ":"))
-            except RecursionError:  # the limit (--grammar-max-nesting) is far below Python's
-                raise ValueError("json_schema is too large: it nests too deeply to read") from None
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"json_schema is not JSON-serializable: {e}") from None
-            object.__setattr__(self, "json_schema", text)
-        if isinstance(self.choices, (list, tuple)):
-            object.__setattr__(self, "choices", tuple(self.choices))
-        # Accept ints for float fields, but store floats so equality/hash are uniform.
-        for name in _FLOAT_FIELDS:
-            v = getattr(self, name)
-            if _is_int(v):
-                try:
-                    object.__setattr__(self, name, float(v))
-                except OverflowError:
-                    raise ValueError(f"{name} must be a finite number, got an integer too large for a float") from None
-
-    # -- validation ----------------------------------------------------------------------
-    def _validate(self) -> None:
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
-            v = getattr(self, name)
-            if not _is_int(v):
-                raise ValueError(f"{name} must be an int, got {v!r}")
-        for name in _FLOAT_FIELDS:
-            v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
-        for name in (
-            "ignore_eos",
-            "skip_special_tokens",
-            "spaces_between_special_tokens",
-            "no_stop_trim",
-            "jump_forward",
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, bool):
-                raise ValueError(f"{name} must be a bool (true/false), got {v!r}")
-
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+    def _check_together(self) -> None:
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be <= max_new_tokens, got min_new_tokens="
                 f"{self.min_new_tokens} > max_new_tokens={self.max_new_tokens}"
             )
-        if self.temperature < 0:
-            raise ValueError(
-                f"temperature must be >= 0 (0 means greedy), got {self.temperature:g}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p:g}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(
-                f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty:g}"
-            )
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if not -2 <= v <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {v:g}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(
-                f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
-            )
-        for s in self.stop:
-            if not isinstance(s, str):
-                raise ValueError(f"stop must contain only strings, got {s!r}")
-            if not s:
-                raise ValueError("stop strings must be non-empty, got ''")
-        for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r}")
-
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or null, got {self.seed!r}")
-
-        given = []
-        for name in CONSTRAINT_FIELDS:
-            v = getattr(self, name)
-            if v is None:
-                continue
-            if name == "choices":
-                if not isinstance(v, tuple) or not v or not all(isinstance(c, str) for c in v):
-                    raise ValueError(f"choices must be a non-empty list of strings, got {v!r}")
-            elif not isinstance(v, str):
-                raise ValueError(f"{name} must be a string, got {type(v).__name__}")
-            given.append(name)
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(
                 f"at most one of {', '.join(CONSTRAINT_FIELDS)} may be set, got {', '.join(given)}"
@@ -209,7 +156,7 @@ class SamplingParams:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
         """Build from a JSON-ish dict (SGLang native ``sampling_params``).
 
         Unknown keys raise ``ValueError``. A key whose value is ``None`` (JSON ``null``) takes
@@ -218,19 +165,9 @@ class SamplingParams:
         if d is None:
             return cls()
         if not isinstance(d, Mapping):
-            raise ValueError(
-                f"sampling_params must be an object/dict, got {type(d).__name__}"
-            )
-        valid = cls.field_names()
-        kwargs: dict[str, Any] = {}
-        for key, value in d.items():
-            if key not in valid:
-                raise ValueError(
-                    f"unknown sampling parameter {key!r}; valid keys: {', '.join(valid)}"
-                )
-            if value is not None:
-                kwargs[key] = value
-        return cls(**kwargs)
+            raise ValueError(f"sampling_params must be an object/dict, got {type(d).__name__}")  # noqa: TRY004
+        check_names(d, "unknown sampling parameter {name!r}; valid keys: {valid}")
+        return cls(**{key: value for key, value in d.items() if value is not None})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; ``SamplingParams.from_dict(p.to_dict()) == p``."""
@@ -254,3 +191,102 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when decoding takes the argmax: temperature 0 (< 1e-5) or top_k 1."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+
+# The declaration: every sampling parameter's Param, in field order.
+PARAMS: dict[str, Param] = {f.name: f.metadata["param"] for f in dataclasses.fields(SamplingParams)}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+
+def check_names(values: Mapping[str, Any], message: str) -> None:
+    """ValueError (``message`` formatted with the first unknown ``name`` and the ``valid`` ones) when a
+    key is not a sampling parameter."""
+    for key in values:
+        if key not in PARAMS:
+            raise ValueError(message.format(name=key, valid=", ".join(PARAMS)))
+
+
+def check_fields(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Normalize and check each of some parameters on its own (no defaults, no checks across
+    fields); returns the normalized values. The DSL's partial arguments are checked this way."""
+    check_names(values, "unknown sampling parameter {name!r}; valid keys: {valid}")
+    out = {}
+    for name, value in values.items():
+        out[name] = normalize_value(name, PARAMS[name], value)
+        check_value(name, PARAMS[name], out[name])
+    return out
+
+
+def normalize_value(name: str, p: Param, v: Any) -> Any:
+    """The stored form of a value: tuples for lists, JSON text for a schema, floats for ints."""
+    if p.kind == "float" and _is_int(v):
+        try:
+            return float(v)  # stored as floats so equality and hash are uniform
+        except OverflowError:
+            raise ValueError(f"{name} must be a finite number, got an integer too large for a float") from None
+    if p.kind == "stop":
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            return (v,)
+        if isinstance(v, (list, tuple)):
+            return tuple(v)
+        raise ValueError(f"{name} must be a string or a list of strings, got {type(v).__name__}")
+    if p.kind == "token_ids":
+        if v is None:
+            return ()
+        if _is_int(v):
+            return (v,)
+        if isinstance(v, (list, tuple, set, frozenset)):
+            return tuple(v)
+        raise ValueError(f"{name} must be a list of ints, got {type(v).__name__}")
+    if p.kind == "schema":
+        return _schema_text(name, v)
+    if p.kind == "choices" and isinstance(v, (list, tuple)):
+        return tuple(v)
+    return v
+
+
+def _schema_text(name: str, v: Any) -> Any:
+    if isinstance(v, type) and hasattr(v, "model_json_schema"):  # a Pydantic model
+        v = v.model_json_schema()
+    if not isinstance(v, (Mapping, bool)):
+        return v
+    try:
+        return json.dumps(v, separators=(",", ":"))
+    except RecursionError:  # the limit (--grammar-max-nesting) is far below Python's
+        raise ValueError(f"{name} is too large: it nests too deeply to read") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} is not JSON-serializable: {e}") from None
+
+
+def check_value(name: str, p: Param, v: Any) -> None:
+    """ValueError naming the field when a normalized value is not valid for it."""
+    if p.kind == "int" and not _is_int(v):
+        raise ValueError(f"{name} must be an int, got {v!r}")
+    if p.kind == "float" and (not _is_real(v) or not math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if p.kind in ("int", "float") and not p.in_range(v):
+        raise ValueError(f"{name} must be {p.range_text()}, got {v:g}" if p.kind == "float" else
+                         f"{name} must be {p.range_text()}, got {v}")
+    if p.kind == "bool" and not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool (true/false), got {v!r}")
+    if p.kind == "seed" and v is not None and not _is_int(v):
+        raise ValueError(f"{name} must be an int or null, got {v!r}")
+    if p.kind in ("text", "schema") and v is not None and not isinstance(v, str):
+        raise ValueError(f"{name} must be a string, got {type(v).__name__}")
+    if p.kind == "choices" and v is not None and (
+            not isinstance(v, tuple) or not v or not all(isinstance(c, str) for c in v)):
+        raise ValueError(f"{name} must be a non-empty list of strings, got {v!r}")
+    if p.kind == "stop":
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"{name} accepts at most {MAX_STOP_STRINGS} strings, got {len(v)}")
+        for s in v:
+            if not isinstance(s, str):
+                raise ValueError(f"{name} must contain only strings, got {s!r}")  # noqa: TRY004
+            if not s:
+                raise ValueError(f"{name} strings must be non-empty, got ''")
+    if p.kind == "token_ids":
+        for t in v:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"{name} must be ints >= 0, got {t!r}")

@@ -18,13 +18,10 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from radixlm.runtime.radix_cache import PrefixCache
+from radixlm.runtime.radix_cache import IntegrityError, PrefixCache
 from radixlm.runtime.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from radixlm.runtime.engine import Engine
 
 MAX_SESSION_ID_LEN = 256
 
@@ -80,7 +77,8 @@ class SessionParams:
         if "id" not in d:
             raise SessionError("session_params.id is required")
         flags = ("replace", "drop_previous_output")  # SGLang clients send null for "not set"
-        return cls(**{k: False if k in flags and v is None else v for k, v in d.items()})
+        fields: dict[str, Any] = {k: False if k in flags and v is None else v for k, v in d.items()}
+        return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "rid": self.rid, "offset": self.offset, "replace": self.replace,
@@ -252,7 +250,7 @@ class SessionManager:
                 raise SessionError(f"turn {parent!r} of session {sess.id!r} is still running; "
                                    "continue it once it has finished")
             history = turn.tokens[: turn.prompt_len] if params.drop_previous_output else turn.tokens
-            if params.offset:
+            if params.offset is not None:  # 0 too: keep none of the history
                 if params.offset > len(history):
                     raise SessionError(f"session_params.offset {params.offset} is past the {len(history)} "
                                        f"tokens of turn {parent!r}")
@@ -441,57 +439,24 @@ class SessionManager:
                 "session_unpins_pressure_total": s.unpinned_pressure}
 
     def check_integrity(self) -> None:
-        """Pinned-token total, heads and parent/child links agree."""
-        assert self._pinned == sum(s.pin.tokens for s in self._sessions.values() if s.pin)
-        assert self._pinned <= self.max_pinned_tokens
-        for sess in self._sessions.values():
-            assert sess.head is None or sess.turns[sess.head].finished
-            assert sess.pin is None or sess.pin.rid == sess.head or sess.running  # moved when a turn ends
-            assert sess.running == sum(1 for t in sess.turns.values() if not t.finished)
+        """Pinned-token total, heads and parent/child links agree; IntegrityError names the first
+        that does not."""
+        pinned = sum(s.pin.tokens for s in self._sessions.values() if s.pin)
+        _check(self._pinned == pinned, f"pinned-token count {self._pinned} != the pins' {pinned}")
+        _check(self._pinned <= self.max_pinned_tokens, f"{self._pinned} pinned tokens > cap {self.max_pinned_tokens}")
+        for sid, sess in self._sessions.items():
+            _check(sess.head is None or sess.turns[sess.head].finished, f"session {sid}: head turn unfinished")
+            _check(sess.pin is None or sess.pin.rid == sess.head or sess.running > 0,  # moved when a turn ends
+                   f"session {sid}: pin not on the head turn")
+            running = sum(1 for t in sess.turns.values() if not t.finished)
+            _check(sess.running == running, f"session {sid}: {sess.running} running turns counted, {running} found")
             for rid, t in sess.turns.items():
-                assert t.parent is None or rid in sess.turns[t.parent].children
-                assert all(sess.turns[c].parent == rid for c in t.children)
+                _check(t.parent is None or rid in sess.turns[t.parent].children, f"turn {rid}: not its parent's child")
+                _check(all(sess.turns[c].parent == rid for c in t.children), f"turn {rid}: a child names another parent")
         for rid, sid in self._turn_owner.items():
-            assert not self._sessions[sid].turns[rid].finished
+            _check(not self._sessions[sid].turns[rid].finished, f"turn {rid}: finished but still owned")
 
 
-class Session:
-    """A handle on one open session of an Engine: each generate() is a new turn.
-
-    By default a turn continues the newest finished turn; ``rid`` continues (``replace``:
-    replaces what followed) an earlier one. ``last_rid`` is the request id of the newest turn
-    this handle sent, for branching back to it later.
-    """
-
-    def __init__(self, engine: Engine, session_id: str) -> None:
-        self.engine = engine
-        self.id = session_id
-        self.last_rid: str | None = None
-
-    def params(self, rid: str | None = None, replace: bool = False, offset: int | None = None) -> SessionParams:
-        return SessionParams(self.id, rid, offset, replace)
-
-    def generate(self, prompt: Any = None, sampling_params: Any = None, *, rid: str | None = None,
-                 replace: bool = False, offset: int | None = None, **kwargs: Any) -> dict[str, Any]:
-        """One turn: ``prompt`` (text or token ids) is appended to the history it continues."""
-        out = self.engine.generate(prompt, sampling_params, session_params=self.params(rid, replace, offset),
-                                   **kwargs)
-        self.last_rid = out["meta_info"]["id"]
-        return out
-
-    async def async_generate(self, prompt: Any = None, sampling_params: Any = None, *, rid: str | None = None,
-                             replace: bool = False, offset: int | None = None, **kwargs: Any) -> dict[str, Any]:
-        """generate() for asyncio."""
-        out = await self.engine.async_generate(prompt, sampling_params,
-                                               session_params=self.params(rid, replace, offset), **kwargs)
-        self.last_rid = out["meta_info"]["id"]
-        return out
-
-    def close(self) -> None:
-        self.engine.close_session(self.id)
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise IntegrityError(message)

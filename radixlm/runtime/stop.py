@@ -11,7 +11,7 @@ starts earlier may still complete, a shorter one that already matched later is n
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _failure(pattern: str) -> list[int]:

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 import radixlm.lang as sgl
-from radixlm.lang.frontend.chat_template import FALLBACK, from_tokenizer
 from radixlm.lang.frontend.choices import (
     greedy_token_selection,
     token_length_normalized,
@@ -27,6 +26,7 @@ from radixlm.lang.interpreter.ir import (
     TextNode,
 )
 from radixlm.lang.interpreter.select import divergence, score_spans
+from radixlm.runtime.chat_template import FALLBACK, from_tokenizer
 
 
 class Person(BaseModel):
@@ -124,7 +124,7 @@ def test_value_dependent_control_flow_has_no_static_graph():
 @pytest.mark.parametrize("doc,message", [
     ({"version": 2, "nodes": []}, "version"),
     ({"nodes": [{"op": "bogus"}]}, "'bogus'"),
-    ({"nodes": [{"op": "gen", "sampling": {"temperature": -1}}]}, "temperature must be >= 0"),
+    ({"nodes": [{"op": "gen", "sampling": {"temperature": -1}}]}, "temperature must be in [0, 100]"),
     ({"nodes": [{"op": "gen", "sampling": {"tempreature": 0}}]}, "tempreature"),
     ({"nodes": [{"op": "select", "choices": []}]}, "choices"),
     ({"nodes": [{"op": "join", "fork": 3}]}, "join of fork 3"),

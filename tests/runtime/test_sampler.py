@@ -302,3 +302,28 @@ def test_build_and_sample_errors():
         sample(torch.zeros(3, 5), batch)
     with pytest.raises(ValueError, match="logits have 6 columns"):
         sample(torch.zeros(2, 6), batch)
+
+
+def test_huge_temperature_never_samples_a_blocked_token():
+    """temperature 1e300 is inf in fp32; blocked (-inf) logits divided by it were NaN, and a NaN
+    row could draw the blocked EOS inside the min_new_tokens window."""
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]]).repeat(64, 1)
+    hot = SP(temperature=2.0)
+    object.__setattr__(hot, "temperature", 1e300)  # past the API's bound: the sampler holds on its own
+    batch = build([hot] * 64, logits, blocks=[[1]] * 64)
+    p = filtered_probs(logits, batch)
+    assert not torch.isnan(p).any() and (p[:, 1] == 0).all()
+    torch.testing.assert_close(p[0], torch.tensor([1 / 3, 0.0, 1 / 3, 1 / 3]))
+    for _ in range(5):
+        assert 1 not in sample(logits, batch).token_ids
+
+
+def test_draws_do_not_depend_on_the_batch_or_the_loop():
+    """A request's token depends only on its logits and its own draws: the same generator state
+    gives the same token alone or in a batch, and a dropped row's draw changes nothing else."""
+    logits = rand_logits(3, 200, seed=11) / 4
+    p = [SP(top_p=0.9), SP(top_k=7), SP(min_p=0.05, temperature=1.3)]
+    together = sample(logits, build(p, logits, gens=[make_generator(s) for s in range(3)])).token_ids
+    alone = [sample(logits[i : i + 1], build([p[i]], logits[i : i + 1], gens=[make_generator(i)])).token_ids[0]
+             for i in range(3)]
+    assert together == alone

@@ -35,7 +35,7 @@ def test_defaults_match_sglang():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"temperature": -1}, "temperature must be >= 0 (0 means greedy), got -1"),
+        ({"temperature": -1}, "temperature must be in [0, 100] (0 means greedy), got -1"),
         ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
         ({"temperature": "hot"}, "temperature must be a finite number, got 'hot'"),
         ({"top_p": 0}, "top_p must be in (0, 1], got 0"),

@@ -14,11 +14,12 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.lang.frontend.chat_template import ChatTemplate
+from radixlm.runtime.chat_template import ChatTemplate
 
 # (logprob, token): the token is an id, or its text where an API gives no ids (OpenAI).
 TokenLogprob = tuple[float | None, int | str]
-ScorePrompt = str | Sequence[int] | Sequence[str]
+# A text, or its tokens as ids (or as token texts, where an API gives no ids).
+ScorePrompt = str | Sequence[int | str]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class GenRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     session: dict[str, Any] | None = None  # the runtime's session_params: this request is a session turn
+    # sorted [start, end) character ranges of ``text`` that are message content: plain text, never
+    # control tokens (radixlm.runtime.chat_template.encode_with_plain_spans)
+    plain_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

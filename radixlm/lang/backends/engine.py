@@ -17,7 +17,7 @@ from radixlm.lang.backends.base import (
     StreamChunk,
     TokenLogprob,
 )
-from radixlm.lang.frontend.chat_template import ChatTemplate, from_tokenizer
+from radixlm.runtime.chat_template import ChatTemplate, encode_with_plain_spans, from_tokenizer
 
 if TYPE_CHECKING:
     from radixlm.runtime.engine import Engine
@@ -53,32 +53,55 @@ class _EngineConnection(Connection):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
+    def _prompt(self, req: GenRequest) -> dict[str, Any]:
+        """The prompt argument: the text, or its token ids when parts of it are plain-text content."""
+        if not req.plain_spans:
+            return {"prompt": req.text}
+        return {"input_ids": encode_with_plain_spans(self.engine.tokenizer, req.text, req.plain_spans)}
+
     async def generate(self, req: GenRequest) -> list[GenOutput]:
         out = await self.engine.async_generate(
-            req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-            session_params=req.session)
+            sampling_params=req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+            session_params=req.session, **self._prompt(req))
         outs = out if isinstance(out, list) else [out]
         return [GenOutput(o["text"], server_shaped(o["meta_info"])) for o in outs]
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
         async for chunk in self.engine.async_stream(
-                req.text, req.sampling, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-                session_params=req.session):
+                sampling_params=req.sampling, return_logprob=req.return_logprob,
+                top_logprobs_num=req.top_logprobs_num, session_params=req.session, **self._prompt(req)):
             yield StreamChunk(chunk["text"], server_shaped(chunk["meta_info"]) if chunk["finished"] else None)
 
     async def prefill(self, text: str) -> int:
-        out = await self.engine.async_generate(text, {"max_new_tokens": 0})
-        return out["meta_info"]["prompt_tokens"]
+        out = _one(await self.engine.async_generate(text, {"max_new_tokens": 0}))
+        n: int = out["meta_info"]["prompt_tokens"]
+        return n
 
     async def input_logprobs(self, prompts: Sequence[ScorePrompt], start: int) -> list[list[TokenLogprob]]:
         params = {"max_new_tokens": 0}
-        if all(isinstance(p, str) for p in prompts):
-            outs = await self.engine.async_generate(list(prompts), params, return_logprob=True,
-                                                    logprob_start_len=start)
+        texts = [p for p in prompts if isinstance(p, str)]
+        if len(texts) == len(prompts):
+            out = await self.engine.async_generate(texts, params, return_logprob=True, logprob_start_len=start)
         else:
-            outs = await self.engine.async_generate(None, params, input_ids=[list(p) for p in prompts],
-                                                    return_logprob=True, logprob_start_len=start)
+            out = await self.engine.async_generate(None, params, input_ids=[_token_ids(p) for p in prompts],
+                                                   return_logprob=True, logprob_start_len=start)
+        outs = out if isinstance(out, list) else [out]
         return [[(lp, tok) for lp, tok in o["meta_info"]["input_token_logprobs"]] for o in outs]
+
+
+def _one(out: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+    """The single output of a one-prompt Engine call."""
+    if isinstance(out, list):
+        raise TypeError(f"expected one output, got {len(out)}")
+    return out
+
+
+def _token_ids(prompt: ScorePrompt) -> list[int]:
+    """A prompt given as token ids (the Engine scores texts or ids, never a mix)."""
+    ids = [t for t in prompt if isinstance(t, int)]
+    if isinstance(prompt, str) or len(ids) != len(prompt):
+        raise TypeError("score prompts are all texts or all token-id lists")
+    return ids
 
 
 def server_shaped(meta: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from radixlm.lang.backends.base import (
     TokenLogprob,
 )
 from radixlm.lang.backends.runtime_endpoint import BackendError, _error_message
-from radixlm.lang.frontend.chat_template import FALLBACK, ChatTemplate
+from radixlm.runtime.chat_template import FALLBACK, ChatTemplate
 
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 

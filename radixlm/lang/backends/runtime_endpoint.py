@@ -21,7 +21,7 @@ from radixlm.lang.backends.base import (
     StreamChunk,
     TokenLogprob,
 )
-from radixlm.lang.frontend.chat_template import FALLBACK, ChatTemplate, from_tokenizer
+from radixlm.runtime.chat_template import FALLBACK, ChatTemplate, from_tokenizer
 
 
 class BackendError(RuntimeError):
@@ -86,7 +86,8 @@ class RuntimeEndpoint(Backend):
     def open_session(self, capacity: int | None = None, ttl: float | None = None,
                      session_id: str | None = None) -> str:
         body = {k: v for k, v in (("capacity", capacity), ("ttl", ttl), ("session_id", session_id)) if v is not None}
-        return self._call("/open_session", body)
+        session_id_out: str = self._call("/open_session", body)
+        return session_id_out
 
     def close_session(self, session_id: str) -> None:
         try:
@@ -117,8 +118,11 @@ class _EndpointConnection(Connection):
 
     @staticmethod
     def _body(req: GenRequest) -> dict[str, Any]:
-        return {"text": req.text, "sampling_params": req.sampling, "return_logprob": req.return_logprob,
+        body = {"text": req.text, "sampling_params": req.sampling, "return_logprob": req.return_logprob,
                 "top_logprobs_num": req.top_logprobs_num, "session_params": req.session}
+        if req.plain_spans:  # radixlm's extension: only sent when some content holds special-token text
+            body["plain_text_spans"] = [list(s) for s in req.plain_spans]
+        return body
 
     async def generate(self, req: GenRequest) -> list[GenOutput]:
         out = await self._post(self._body(req))
@@ -144,7 +148,8 @@ class _EndpointConnection(Connection):
 
     async def prefill(self, text: str) -> int:
         out = await self._post({"text": text, "sampling_params": {"max_new_tokens": 0}})
-        return out["meta_info"]["prompt_tokens"]
+        n: int = out["meta_info"]["prompt_tokens"]
+        return n
 
     async def input_logprobs(self, prompts: Sequence[ScorePrompt], start: int) -> list[list[TokenLogprob]]:
         body: dict[str, Any] = {"sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
@@ -159,6 +164,7 @@ class _EndpointConnection(Connection):
 
 def _error_message(body: str) -> str:
     try:
-        return json.loads(body)["error"]["message"]
+        message: str = json.loads(body)["error"]["message"]
+        return message
     except (ValueError, KeyError, TypeError):
         return body[:500]

@@ -6,7 +6,9 @@ program and a program run step by step execute the very same nodes.
 
 from __future__ import annotations
 
+import inspect
 import json
+import typing
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -15,17 +17,20 @@ from radixlm.lang.frontend.choices import (
     ChoicesMethod,
     token_length_normalized,
 )
-from radixlm.lang.frontend.sampling import DTYPE_REGEX, SamplingArgs
+from radixlm.lang.frontend.sampling import DSL_NAMES, DTYPE_REGEX, SamplingArgs
 from radixlm.lang.interpreter.ir import (
     Constraint,
     GenNode,
+    Role,
     RoleBeginNode,
     RoleEndNode,
     SelectNode,
     TextNode,
 )
+from radixlm.runtime.sampling_params import PARAMS, SamplingParams, check_fields
 
 DType = type | Literal["int", "float", "bool", "str"] | None
+DTypeName = Literal["int", "float", "bool", "str"]
 _DTYPES = {int: "int", float: "float", bool: "bool", str: "str"}
 
 
@@ -64,18 +69,6 @@ def gen(
     max_tokens: int | None = None,
     min_tokens: int | None = None,
     *,  # SGLang's positional order differs across its versions: the rest is keyword-only
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    repetition_penalty: float | None = None,
-    ignore_eos: bool | None = None,
-    n: int | None = None,
-    seed: int | None = None,
     regex: str | None = None,
     json_schema: str | dict[str, Any] | type | None = None,
     ebnf: str | None = None,
@@ -84,27 +77,61 @@ def gen(
     dtype: DType = None,
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
+    **sampling: Any,
 ) -> Expr:
     """Generate text into variable ``name`` (SGLang's gen).
 
+    ``max_tokens`` / ``min_tokens`` are the runtime's max_new_tokens / min_new_tokens. The other
+    sampling keywords are the runtime's sampling parameters the DSL takes, listed below (from
+    radixlm.runtime.sampling_params.SamplingParams; None inherits the run's value).
     ``json_schema`` takes a dict, a JSON string or a Pydantic model class. ``dtype`` (int,
     float, bool, str) constrains the output with a regex and stores the converted value.
     ``choices`` makes this a select().
     """
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
-    sampling = SamplingArgs(
-        max_new_tokens=max_tokens, min_new_tokens=min_tokens,
-        stop=stop if stop is None or isinstance(stop, str) else tuple(stop),
-        stop_token_ids=None if stop_token_ids is None else tuple(stop_token_ids),
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        repetition_penalty=repetition_penalty, ignore_eos=ignore_eos, n=n, seed=seed,
-    )
+    sampling = _gen_sampling(sampling, max_tokens, min_tokens)
     dtype_name = _dtype_name(dtype)
     constraint = _constraint(regex, json_schema, ebnf, dtype_name)
-    return Expr([GenNode(name=name, sampling=sampling, constraint=constraint, dtype=dtype_name,
+    return Expr([GenNode(name=name, sampling=SamplingArgs(**sampling), constraint=constraint, dtype=dtype_name,
                          return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)])
+
+
+def _gen_sampling(sampling: dict[str, Any], max_tokens: int | None, min_tokens: int | None) -> dict[str, Any]:
+    """gen()'s sampling keywords as SamplingArgs fields; an unknown keyword is a TypeError, as in Python."""
+    for key in sampling:
+        if key not in GEN_SAMPLING_NAMES:
+            raise TypeError(f"gen() got an unexpected keyword argument {key!r}")
+    out = {k: v for k, v in sampling.items() if v is not None}
+    if isinstance(out.get("stop"), Sequence) and not isinstance(out["stop"], str):
+        out["stop"] = tuple(out["stop"])
+    if isinstance(out.get("stop_token_ids"), Sequence):
+        out["stop_token_ids"] = tuple(out["stop_token_ids"])
+    if max_tokens is not None:
+        out["max_new_tokens"] = max_tokens
+    if min_tokens is not None:
+        out["min_new_tokens"] = min_tokens
+    return out
+
+
+# gen() takes these two by SGLang's names (max_tokens, min_tokens, also positionally); the other
+# sampling keywords by the runtime's names.
+GEN_SAMPLING_NAMES: tuple[str, ...] = tuple(n for n in DSL_NAMES if n not in ("max_new_tokens", "min_new_tokens"))
+
+
+def _document_gen() -> None:
+    """gen()'s signature and docstring list its sampling keywords, from SamplingParams' declaration."""
+    sig = inspect.signature(gen)
+    hints = typing.get_type_hints(SamplingParams)
+    fixed = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[n] | None)
+             for n in GEN_SAMPLING_NAMES]
+    gen.__signature__ = sig.replace(parameters=[*fixed, *extra])  # type: ignore[attr-defined]
+    lines = [f"    ``{n}``: {PARAMS[n].help}" for n in GEN_SAMPLING_NAMES]
+    gen.__doc__ = f"{gen.__doc__}\n    Sampling keywords:\n\n" + "\n".join(lines) + "\n"
+
+
+_document_gen()
 
 
 def gen_int(name: str | None = None, **kwargs: Any) -> Expr:
@@ -123,6 +150,7 @@ def select(name: str | None = None, choices: Sequence[str] | None = None, temper
 
     ``temperature`` is in SGLang's place in the signature; choices are scored deterministically,
     so only 0 is taken."""
+    check_fields({"temperature": temperature})
     if temperature != 0:
         raise ValueError(f"select scores every choice and picks the best one deterministically, so only "
                          f"temperature=0 is taken (got {temperature!r})")
@@ -134,16 +162,16 @@ def select(name: str | None = None, choices: Sequence[str] | None = None, temper
     method = {"greedy": "greedy_token_selection"}.get(method, method)
     if method not in METHODS:
         raise ValueError(f"unknown choices_method {method!r}; use one of {', '.join(METHODS)}")
-    return Expr([SelectNode(name=name, choices=list(choices), method=method)])
+    return Expr([SelectNode(name=name, choices=list(choices), method=typing.cast(Any, method))])  # checked above
 
 
-def _dtype_name(dtype: DType) -> str | None:
+def _dtype_name(dtype: DType) -> DTypeName | None:
     if dtype is None:
         return None
     name = _DTYPES.get(dtype, dtype) if isinstance(dtype, type) else dtype
     if name not in DTYPE_REGEX:
         raise ValueError(f"dtype must be int, float, bool or str, got {dtype!r}")
-    return name
+    return typing.cast(DTypeName, name)
 
 
 def _constraint(regex: str | None, json_schema: Any, ebnf: str | None, dtype: str | None) -> Constraint | None:
@@ -161,11 +189,11 @@ def _constraint(regex: str | None, json_schema: Any, ebnf: str | None, dtype: st
             spec = spec.model_json_schema()
         if not isinstance(spec, str):
             spec = json.dumps(spec, separators=(",", ":"))
-    return Constraint(kind=kind, spec=spec)
+    return Constraint(kind=typing.cast(Any, kind), spec=spec)
 
 
 # -- roles ---------------------------------------------------------------------------------
-def _role(role: str, expr: ExprLike | None) -> Expr:
+def _role(role: Role, expr: ExprLike | None) -> Expr:
     if expr is None:
         raise TypeError(f"{role}() takes the message content; use `with s.{role}():` for the block form")
     return Expr([RoleBeginNode(role=role), *to_expr(expr).nodes, RoleEndNode(role=role)])

@@ -104,9 +104,10 @@ class SglFunction:
         ``"auto"`` leaves ``concurrency``). A failing program does not stop the others: its state's
         ``error()`` holds the exception."""
         _no_running_loop("run_batch")
-        if num_threads == "auto":
-            num_threads = None
-        return asyncio.run(self.arun_batch(batch, backend=backend, concurrency=num_threads or concurrency,
+        threads = None if num_threads == "auto" else num_threads
+        if isinstance(threads, str):
+            raise ValueError(f"num_threads must be an int or 'auto', got {num_threads!r}")
+        return asyncio.run(self.arun_batch(batch, backend=backend, concurrency=threads or concurrency,
                                            progress_bar=progress_bar, **defaults))
 
     async def arun_batch(self, batch: Sequence[dict[str, Any] | Sequence[Any]], *, backend: Any = None,

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixlm.lang.backends.base import Connection, GenRequest
-from radixlm.lang.frontend.chat_template import ChatTemplate
 from radixlm.lang.frontend.sampling import SamplingArgs, convert_dtype
 from radixlm.lang.interpreter.ir import (
     ForkNode,
@@ -29,6 +28,7 @@ from radixlm.lang.interpreter.ir import (
 )
 from radixlm.lang.interpreter.select import run_select
 from radixlm.lang.interpreter.state import StateCore
+from radixlm.runtime.chat_template import ChatTemplate
 
 if TYPE_CHECKING:
     from radixlm.lang.sessions import SessionRun
@@ -81,6 +81,8 @@ async def _execute(core: StateCore, node: Any, ctx: RunContext) -> None:
         if core.open_role is None or core.open_role[0] != node.role:
             raise ValueError(f"{node.role} message ends, but it was never begun")
         content = core.text[core.open_role[1]:]
+        if ctx.template.holds_special(content):  # message content is text, never control tokens
+            core.plain_spans.append((core.open_role[1], len(core.text)))
         core.append(ctx.template.end(node.role))
         core.messages.append({"role": node.role, "content": content})
         core.open_role = None
@@ -99,7 +101,7 @@ async def _gen(core: StateCore, node: GenNode, ctx: RunContext) -> None:
     session = ctx.session.params(core, sampling.n) if ctx.session is not None else None
     req = GenRequest(core.text, sampling.to_native(**constraint), list(core.messages),
                      (role[0], core.text[role[1]:]) if role else None, node.return_logprob, node.top_logprobs_num,
-                     session)
+                     session, plain_spans(core, ctx.template))
     if ctx.stream and (sampling.n or 1) == 1:
         parts: list[str] = []
         meta: dict[str, Any] = {}
@@ -112,13 +114,22 @@ async def _gen(core: StateCore, node: GenNode, ctx: RunContext) -> None:
         outs = await ctx.conn.generate(req)
         texts, metas = [o.text for o in outs], [o.meta for o in outs]
         core.append(texts[0], node.name)  # with n > 1 the state continues with the first sample
-    if session is not None:
+    if session is not None and ctx.session is not None:  # a turn of the run's session
         ctx.session.covered = core.text
     if node.name is None:
         return
     values = [convert_dtype(node.dtype, t) if node.dtype else t for t in texts]
     core.variables[node.name] = values if len(values) > 1 else values[0]
     core.meta[node.name] = metas if len(metas) > 1 else metas[0]
+
+
+def plain_spans(core: StateCore, template: ChatTemplate) -> list[tuple[int, int]]:
+    """The spans of ``core.text`` a backend must tokenize as plain text: message contents holding
+    special-token text, the open message's included."""
+    spans = list(core.plain_spans)
+    if core.open_role is not None and template.holds_special(core.text[core.open_role[1]:]):
+        spans.append((core.open_role[1], len(core.text)))
+    return spans
 
 
 async def run_sequence(core: StateCore, nodes: Sequence[Any], ctx: RunContext) -> None:

@@ -12,18 +12,20 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
-
-from typing_extensions import Self
+from types import FrameType
+from typing import Any, Self
 
 from radixlm.lang.frontend.expr import ExprLike, assistant, system, to_expr, user
 from radixlm.lang.interpreter.executor import RunContext, execute, gather_all
 from radixlm.lang.interpreter.ir import (
+    JOIN_MODES,
     ForkNode,
+    JoinMode,
     JoinNode,
+    Role,
     RoleBeginNode,
     RoleEndNode,
     VarBeginNode,
@@ -41,7 +43,7 @@ class NeedsValue(BaseException):
 
 def call_site() -> str | None:
     """file:line of the innermost caller outside radixlm.lang (the program's own line)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_LANG_DIR):
         frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else None
@@ -64,7 +66,7 @@ class StateSyntax:
         self._add(to_expr(other).nodes, call_site())
         return self
 
-    def _role(self, role: str, wrap: Callable[[ExprLike], Any], expr: ExprLike | None) -> Any:
+    def _role(self, role: Role, wrap: Callable[[ExprLike], Any], expr: ExprLike | None) -> Any:
         if expr is None:
             return self._role_block(role)
         self._add(wrap(expr).nodes, call_site())
@@ -81,7 +83,7 @@ class StateSyntax:
         return self._role("assistant", assistant, expr)
 
     @contextmanager
-    def _role_block(self, role: str) -> Iterator[None]:
+    def _role_block(self, role: Role) -> Iterator[None]:
         self._add([RoleBeginNode(role=role)], call_site())
         yield
         self._add([RoleEndNode(role=role)], call_site())
@@ -122,7 +124,7 @@ class StateSyntax:
 class ForkGroup:
     """The states of one fork: index or iterate them; ``+=`` appends to each; ``join()`` waits."""
 
-    def __init__(self, parent: StateSyntax, states: list[StateSyntax], join: Callable[[str], None]) -> None:
+    def __init__(self, parent: StateSyntax, states: list[StateSyntax], join: Callable[[JoinMode], None]) -> None:
         self.parent, self.states, self._join = parent, states, join
 
     def __len__(self) -> int:
@@ -143,9 +145,11 @@ class ForkGroup:
     def join(self, mode: str = "gather_variable") -> None:
         """Gather the branches' new variables into the parent as lists (``gather_variable``) or
         append their new text to it (``concate_and_append``)."""
-        if mode not in ("gather_variable", "concate_and_append"):
-            raise ValueError(f"join mode must be gather_variable or concate_and_append, got {mode!r}")
-        self._join(mode)
+        for known in JOIN_MODES:
+            if mode == known:
+                self._join(known)
+                return
+        raise ValueError(f"join mode must be gather_variable or concate_and_append, got {mode!r}")
 
 
 # -- tracing --------------------------------------------------------------------------------
@@ -204,7 +208,7 @@ class LiveRun:
         """Run ``fn`` on the loop, after every earlier call (FIFO)."""
         self.loop.call_soon_threadsafe(fn, *args)
 
-    def wait(self, coro: Awaitable[Any]) -> Any:
+    def wait(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     async def settle(self) -> None:
@@ -264,7 +268,7 @@ class LiveState(StateSyntax):
             for c in children:
                 c.tail = task
 
-        def join(mode: str) -> None:
+        def join(mode: JoinMode) -> None:
             def chain_join() -> None:  # on the loop, after the branches' queued operations
                 tails = [c.tail for c in children if c.tail is not None]
 

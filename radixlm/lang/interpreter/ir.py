@@ -22,11 +22,13 @@ from pydantic import (
 
 from radixlm.lang.frontend.sampling import SamplingArgs
 
-IR_VERSION = 1
+IR_VERSION: Literal[1] = 1
 # Forks nest at most this deep, so every valid graph also loads from its own JSON text (the JSON
 # parser stops at 200 levels of nesting; each fork takes four).
 MAX_FORK_DEPTH = 32
 Role = Literal["system", "user", "assistant"]
+JoinMode = Literal["gather_variable", "concate_and_append"]
+JOIN_MODES: tuple[JoinMode, ...] = ("gather_variable", "concate_and_append")
 
 
 class GraphError(ValueError):
@@ -114,7 +116,7 @@ class JoinNode(_Node):
 
     op: Literal["join"] = "join"
     fork: int = Field(ge=0)
-    mode: Literal["gather_variable", "concate_and_append"] = "gather_variable"
+    mode: JoinMode = "gather_variable"
 
 
 Node = Annotated[

@@ -34,7 +34,7 @@ class SelectResult:
     meta: dict[str, Any]
 
 
-def divergence(prefix_ids: Sequence[int], joint_ids: Sequence[int]) -> int:
+def divergence(prefix_ids: Sequence[int | str], joint_ids: Sequence[int | str]) -> int:
     """Index of the first token where ``joint_ids`` stops matching ``prefix_ids``."""
     for i, (a, b) in enumerate(zip(prefix_ids, joint_ids)):
         if a != b:

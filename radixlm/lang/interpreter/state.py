@@ -25,6 +25,8 @@ class StateCore:
     meta: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] = field(default_factory=list)
     open_role: tuple[str, int] | None = None  # (role, where its content starts in text)
+    # [start, end) of finished messages' contents that hold special-token text: sent as plain text
+    plain_spans: list[tuple[int, int]] = field(default_factory=list)
     scopes: dict[str, int] = field(default_factory=dict)
     events: list[TextEvent] = field(default_factory=list)
     done: bool = False
@@ -45,7 +47,8 @@ class StateCore:
     def branch(self) -> StateCore:
         """A fork branch: a copy of text, variables and messages; no events, not done."""
         return StateCore(text=self.text, variables=copy.copy(self.variables), meta=copy.copy(self.meta),
-                         messages=list(self.messages), open_role=self.open_role)
+                         messages=list(self.messages), open_role=self.open_role,
+                         plain_spans=list(self.plain_spans))
 
     def join(self, branches: list[StateCore], mode: str, known: set[str], base: int) -> None:
         """Gather the branches' new variables (those not in ``known``) and their meta info as

@@ -1,7 +1,6 @@
 """Constrained decoding: grammar backends, tokenizer description, token bitmasks."""
 
 from radixlm.runtime.constrained.grammar import (
-    GRAMMAR_BACKENDS,
     GRAMMAR_KINDS,
     Grammar,
     GrammarBackend,
@@ -10,6 +9,7 @@ from radixlm.runtime.constrained.grammar import (
     XGrammarBackend,
     bitmask_width,
 )
+from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS, make_grammar_backend
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab, build_tokenizer_vocab
 
 __all__ = [
@@ -23,4 +23,5 @@ __all__ = [
     "XGrammarBackend",
     "bitmask_width",
     "build_tokenizer_vocab",
+    "make_grammar_backend",
 ]

@@ -6,7 +6,7 @@ is set when token ``t`` is allowed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -20,8 +20,9 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["CompilePool"]
 

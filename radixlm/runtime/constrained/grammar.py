@@ -3,7 +3,8 @@
 The seam the scheduler sees (see docs/DESIGN.md, "Key seams"):
 ``backend.compile(kind, spec) -> Grammar`` (cached by (kind, spec)); ``Grammar.new_matcher()``
 gives a matcher with ``fill_mask(bitmask_row)``, ``accept(token)``, ``rollback(n)``,
-``forced_text()`` and ``is_terminated()``. Matchers hold plain ints; the bitmask row they fill is
+``forced_text()``, ``is_completed()`` and ``is_terminated()``. The backends by name are in
+``registry``. Matchers hold plain ints; the bitmask row they fill is
 any int32 CPU array (torch or numpy) of ``bitmask_width(vocab_size)`` words, bit ``t % 32`` of
 word ``t // 32`` set when token ``t`` is allowed. The grammar engine is imported lazily, so
 importing this module pulls in no torch (xgrammar itself imports torch when first used).
@@ -15,17 +16,17 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from radixlm.runtime.constrained.limits import SpecLimits, check_spec
+from radixlm.runtime.constrained.limits import SpecLimits, check_spec, grammar_bounds
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema, prepare_json_schema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
 __all__ = [
-    "GRAMMAR_BACKENDS",
     "GRAMMAR_KINDS",
     "CachedGrammarBackend",
     "Grammar",
@@ -70,13 +71,31 @@ class GrammarConfig:
 
 
 class GrammarMatcher(Protocol):
-    """Per-request grammar state."""
+    """Per-request grammar state: every call the engine makes on a matcher."""
 
-    def fill_mask(self, bitmask_row: Any) -> bool: ...
-    def accept(self, token: int) -> bool: ...
-    def rollback(self, n: int) -> None: ...
-    def forced_text(self) -> str: ...
-    def is_terminated(self) -> bool: ...
+    def fill_mask(self, bitmask_row: Any) -> bool:
+        """Fill ``bitmask_row`` with the tokens allowed next; False when every token is allowed."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance over ``token``; False (state unchanged) when the grammar refuses it."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens."""
+        ...
+
+    def forced_text(self, max_chars: int | None = None) -> str:
+        """The text the grammar forces next, at most ``max_chars`` characters ('' when none)."""
+        ...
+
+    def is_completed(self) -> bool:
+        """True once the text so far is a complete match (a stop token may follow)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """True once the grammar accepts nothing more (a stop token was accepted)."""
+        ...
 
 
 class Grammar(Protocol):
@@ -89,9 +108,18 @@ class Grammar(Protocol):
 
 
 class GrammarBackend(Protocol):
-    name: str
+    """Compiles constraints for one tokenizer vocabulary; the registry names the implementations."""
 
-    def compile(self, kind: str, spec: Any) -> Grammar: ...
+    name: str
+    config: GrammarConfig
+
+    def compile(self, kind: str, spec: Any) -> Grammar:
+        """The (cached) grammar for ``(kind, spec)``; ValueError naming what is wrong."""
+        ...
+
+    def remember_failure(self, kind: str, spec: Any, message: str) -> None:
+        """Cache ``message`` as the outcome of compiling ``(kind, spec)``."""
+        ...
 
 
 def _json_dumps(obj: Any) -> str:
@@ -262,12 +290,13 @@ class ByteRules:
 class XGrammarMatcher:
     """One request's xgrammar matcher state."""
 
-    __slots__ = ("_m", "vocab_size", "_rules", "_ends_ed")
+    __slots__ = ("_m", "vocab_size", "_rules", "_ends_ed", "_jump_safe")
 
-    def __init__(self, matcher: Any, vocab_size: int, rules: ByteRules | None = None) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, rules: ByteRules | None = None, jump_safe: bool = True) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
         self._rules = rules
+        self._jump_safe = jump_safe  # limits.grammar_bounds proved the engine's forced-text walk ends
         self._ends_ed: list[bool] = [False]  # per accepted token: the output ends in a lone 0xED
 
     def fill_mask(self, bitmask_row: Any) -> bool:
@@ -302,9 +331,13 @@ class XGrammarMatcher:
             self._m.rollback(n)
             del self._ends_ed[-n:]
 
-    def forced_text(self) -> str:
-        """The text the grammar forces next ('' when the next character is a choice)."""
-        return self._m.find_jump_forward_string()
+    def forced_text(self, max_chars: int | None = None) -> str:
+        """The text the grammar forces next ('' when the next character is a choice), at most
+        ``max_chars`` characters; '' for a grammar whose forced text is not known to be finite."""
+        if not self._jump_safe or max_chars == 0:
+            return ""
+        text: str = self._m.find_jump_forward_string()
+        return text if max_chars is None else text[:max_chars]
 
     def is_completed(self) -> bool:
         """True once the text so far is a complete match (a stop token may follow)."""
@@ -316,17 +349,20 @@ class XGrammarMatcher:
 
 
 class XGrammarGrammar:
-    __slots__ = ("kind", "vocab_size", "_compiled", "_xgr", "_rules")
+    __slots__ = ("kind", "vocab_size", "_compiled", "_xgr", "_rules", "jump_safe")
 
-    def __init__(self, kind: str, compiled: Any, vocab_size: int, xgr: Any, rules: ByteRules | None = None) -> None:
+    def __init__(self, kind: str, compiled: Any, vocab_size: int, xgr: Any, rules: ByteRules | None = None,
+                 jump_safe: bool = True) -> None:
         self.kind = kind
         self.vocab_size = vocab_size
         self._compiled = compiled
         self._xgr = xgr
         self._rules = rules
+        self.jump_safe = jump_safe
 
     def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(self._compiled), self.vocab_size, self._rules)
+        return XGrammarMatcher(self._xgr.GrammarMatcher(self._compiled), self.vocab_size, self._rules,
+                               self.jump_safe)
 
 
 @dataclass(frozen=True)
@@ -420,7 +456,10 @@ class XGrammarBackend(CachedGrammarBackend):
 
     def _compile_uncached(self, kind: str, norm: Any) -> XGrammarGrammar:
         rules = self._json_rules if kind == "json_schema" else self._text_rules
-        return XGrammarGrammar(kind, self._compile_engine(kind, norm), self.vocab_size, self._xgr, rules)
+        compiled = self._compile_engine(kind, norm)
+        # A grammar that can never end is refused; one whose forced text may be endless gets no jump-forward.
+        bounds = grammar_bounds(kind, compiled.grammar.serialize_json())
+        return XGrammarGrammar(kind, compiled, self.vocab_size, self._xgr, rules, bounds.jump_safe)
 
     def _compile_engine(self, kind: str, norm: Any) -> Any:
         c = self._compiler
@@ -447,16 +486,3 @@ class XGrammarBackend(CachedGrammarBackend):
             return c.compile_grammar(choices_to_ebnf(norm))
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"cannot compile {kind}: {_clean_engine_error(e)}") from None
-
-
-def _outlines_backend(vocab: TokenizerVocab, config: GrammarConfig | None = None) -> GrammarBackend:
-    # Imported on use: outlines-core is only loaded when this backend is picked.
-    from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
-
-    return OutlinesBackend(vocab, config)
-
-
-GRAMMAR_BACKENDS: dict[str, Callable[..., GrammarBackend]] = {
-    "xgrammar": XGrammarBackend,
-    "outlines": _outlines_backend,
-}

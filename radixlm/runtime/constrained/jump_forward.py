@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from radixlm.runtime.constrained.grammar import GrammarMatcher
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
-__all__ = ["Jump", "JumpForward"]
+__all__ = ["MAX_JUMP_CHARS", "Jump", "JumpForward"]
 
 DEFAULT_WINDOW = 8  # output tokens before the forced text that may be re-tokenized
+# Forced characters one jump takes at most: bounds the re-tokenizing work of one step; a longer
+# forced run continues at the next step.
+MAX_JUMP_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class JumpForward:
         self.encode = encode
         self.window = window
         self._extendable = _strict_prefixes(vocab.decoded)
+        self._max_token_bytes = max((len(b) for b in vocab.decoded), default=1) or 1
 
     def _window_start(self, output_ids: Sequence[int], floor: int) -> int:
         dec = self.vocab.decoded
@@ -78,8 +82,15 @@ class JumpForward:
         """Advance ``matcher`` over the forced text and return the token change, or None (no change).
 
         ``output_ids`` are all output tokens, every one accepted by ``matcher``; tokens before
-        ``floor`` must not change; the output may grow to at most ``limit`` tokens."""
-        forced = matcher.forced_text()
+        ``floor`` must not change; the output may grow to at most ``limit`` tokens.
+
+        The forced text asked of the matcher is bounded by what ``limit`` can still hold (tokens
+        times the longest token's bytes) and by ``MAX_JUMP_CHARS``; grammars whose forced text is
+        endless are refused when they compile (``limits.grammar_bounds``)."""
+        room = limit - len(output_ids)
+        if room <= 0:
+            return None
+        forced = matcher.forced_text(min(room * self._max_token_bytes, MAX_JUMP_CHARS))
         if not forced:
             return None
         dec = self.vocab.decoded

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SpecLimits", "check_spec"]
+__all__ = ["MAX_SHORTEST_TEXT", "GrammarBounds", "SpecLimits", "check_spec", "grammar_bounds"]
 
 # JSON Schema keywords holding a count that a grammar unrolls or counts up to.
 COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
@@ -147,3 +147,173 @@ def _group_depth(text: str, quotes: bool) -> int:
             depth = max(depth - 1, 0)
         i += 1
     return best
+
+
+# -- what a compiled grammar can produce -------------------------------------------------------
+# xgrammar's serialized grammar (Grammar.serialize_json): each expression is
+# ``[type, payload length, payload...]``; the types this analysis reads:
+_XBYTES, _XCLASS, _XCLASS_STAR, _XEMPTY, _XRULE_REF, _XSEQUENCE, _XCHOICES, _XREPEAT = 0, 1, 2, 3, 4, 5, 6, 8
+_XREGEX = 12  # an inline regex (a JSON schema's pattern): a finite automaton, counted as 0 bytes long
+# The longest shortest text any rule of a grammar may have, in bytes; past it a grammar is refused
+# (an exponential blow-up such as ``r0 ::= r1 r1; r1 ::= r2 r2; ...``): its forced text would not fit
+# any context either. Generous: ``minLength: 1000000`` (the --grammar-max-repeat default) fits.
+MAX_SHORTEST_TEXT = 8 * 1024 * 1024
+_TOO_LONG = MAX_SHORTEST_TEXT + 1  # lengths saturate here
+_NEVER = 2 * _TOO_LONG  # no finite text at all
+
+
+class UnknownGrammar(Exception):
+    """The serialized grammar holds something this analysis does not read."""
+
+
+@dataclass(frozen=True)
+class GrammarBounds:
+    """What the analysis of one compiled grammar found.
+
+    ``jump_safe``: the text the grammar forces from any state it can reach is finite (every rule
+    reachable from the root derives a finite text, and no user lookahead can make one a dead end),
+    so asking the grammar engine for it terminates; when False, jump-forward is off for it."""
+
+    jump_safe: bool
+
+
+def grammar_bounds(kind: str, serialized: str) -> GrammarBounds:
+    """Check a compiled grammar (xgrammar's ``serialize_json`` text) for rules that can never end.
+
+    Raises ValueError when a rule reachable from the root derives no finite text (the grammar
+    accepts nothing, or it has a branch that forces text forever once entered: ``root ::= "a" root``,
+    a schema object that requires itself), or when a reachable rule's shortest text is longer than
+    ``MAX_SHORTEST_TEXT`` bytes. Linear in the grammar's size per round, iterative (no recursion)."""
+    try:
+        data = json.loads(serialized)
+        rules = [(str(r[0]), int(r[1]), int(r[2])) for r in data["rules"]]
+        exprs = _exprs(data["grammar_expr_data"], data["grammar_expr_indptr"])
+        root = int(data["root_rule_id"])
+        shortest = _shortest_texts(rules, exprs)
+        reachable = _reachable(root, rules, exprs)
+    except (UnknownGrammar, KeyError, IndexError, TypeError, ValueError):
+        return GrammarBounds(jump_safe=False)  # cannot tell: never ask the engine for forced text
+    for r in reachable:
+        if shortest[r] == _NEVER and r == root:
+            example = ("a property that is required and refers back to its own object" if kind == "json_schema"
+                       else 'root ::= "a" root')
+            raise ValueError(f"{kind} accepts no finite text: every way through it requires itself again "
+                             f"(e.g. {example}); make the recursion optional")
+        if shortest[r] == _NEVER:
+            raise ValueError(f"{kind} has a part that can never end once entered (rule {rules[r][0]!r} "
+                             "requires itself again on every path); make that recursion optional or remove it")
+        if shortest[r] == _TOO_LONG:
+            raise ValueError(f"{kind} is too large: its shortest text (rule {rules[r][0]!r}) is longer than "
+                             f"{MAX_SHORTEST_TEXT:,} bytes")
+    lookahead = any(rules[r][2] >= 0 for r in reachable)
+    return GrammarBounds(jump_safe=not (lookahead and kind in ("ebnf", "choices")))
+
+
+def _exprs(flat: list[int], indptr: list[int]) -> list[tuple[int, list[int]]]:
+    """``indptr`` holds where each expression starts; the last one runs to the end of ``flat``."""
+    ends = [*indptr[1:], len(flat)]
+    out = []
+    for start, end in zip(indptr, ends):
+        chunk = flat[start:end]
+        out.append((int(chunk[0]), [int(x) for x in chunk[2:2 + int(chunk[1])]]))
+    return out
+
+
+def _shortest_texts(rules: list[tuple[str, int, int]], exprs: list[tuple[int, list[int]]]) -> list[int]:
+    """Per rule, the length in bytes of its shortest text (``_NEVER``: none; ``_TOO_LONG``: past
+    ``MAX_SHORTEST_TEXT``): a work
+    list re-evaluates a rule's body whenever a rule it refers to got shorter."""
+    bodies = [_post_order(exprs, body) for _, body, _ in rules]
+    users: list[set[int]] = [set() for _ in rules]
+    for r, order in enumerate(bodies):
+        for e in order:
+            kind, args = exprs[e]
+            if kind in (_XRULE_REF, _XREPEAT):
+                users[args[0]].add(r)
+    shortest = [_NEVER] * len(rules)
+    work = list(range(len(rules)))
+    queued = set(work)
+    values: dict[int, int] = {}
+    while work:
+        r = work.pop()
+        queued.discard(r)
+        for e in bodies[r]:
+            values[e] = _expr_shortest(exprs[e], values, shortest)
+        value = values[rules[r][1]]
+        if value < shortest[r]:
+            shortest[r] = value
+            for u in users[r] - queued:
+                queued.add(u)
+                work.append(u)
+    return shortest
+
+
+def _expr_shortest(expr: tuple[int, list[int]], values: dict[int, int], shortest: list[int]) -> int:
+    kind, args = expr
+    if kind == _XBYTES:
+        return _cap(len(args))
+    if kind == _XCLASS:
+        return 1
+    if kind in (_XCLASS_STAR, _XEMPTY, _XREGEX):
+        return 0
+    if kind == _XRULE_REF:
+        return shortest[args[0]]
+    if kind == _XSEQUENCE:
+        parts = [values[a] for a in args]
+        return _NEVER if _NEVER in parts else _cap(sum(parts))
+    if kind == _XCHOICES:
+        return min((values[a] for a in args), default=_NEVER)
+    if kind == _XREPEAT:
+        low, inner = args[1], shortest[args[0]]
+        if low <= 0:
+            return 0
+        return _NEVER if inner == _NEVER else _cap(low * inner)
+    raise UnknownGrammar(f"expression type {kind}")
+
+
+def _cap(n: int) -> int:
+    return min(n, _TOO_LONG)
+
+
+def _post_order(exprs: list[tuple[int, list[int]]], root: int) -> list[int]:
+    """The expression ``root`` and those it holds, each after its parts (sequences and choices nest)."""
+    seen: set[int] = set()
+    order: list[int] = []
+    stack: list[tuple[int, bool]] = [(root, False)]
+    while stack:
+        e, done = stack.pop()
+        if done:
+            order.append(e)
+            continue
+        if e in seen:
+            continue
+        seen.add(e)
+        stack.append((e, True))
+        kind, args = exprs[e]
+        if kind in (_XSEQUENCE, _XCHOICES):
+            stack.extend((a, False) for a in args if a not in seen)
+    return order
+
+
+def _reachable(root: int, rules: list[tuple[str, int, int]], exprs: list[tuple[int, list[int]]]) -> list[int]:
+    """Rules reachable from the root (through bodies and lookaheads), root first."""
+    seen_rules = {root}
+    order = [root]
+    stack = [rules[root][1]] + ([rules[root][2]] if rules[root][2] >= 0 else [])
+    seen_exprs: set[int] = set()
+    while stack:
+        e = stack.pop()
+        if e in seen_exprs:
+            continue
+        seen_exprs.add(e)
+        kind, args = exprs[e]
+        if kind in (_XSEQUENCE, _XCHOICES):
+            stack.extend(args)
+        elif kind in (_XRULE_REF, _XREPEAT) and args[0] not in seen_rules:
+            r = args[0]
+            seen_rules.add(r)
+            order.append(r)
+            stack.append(rules[r][1])
+            if rules[r][2] >= 0:
+                stack.append(rules[r][2])
+    return order

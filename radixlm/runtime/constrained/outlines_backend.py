@@ -18,7 +18,7 @@ r"""The outlines-core grammar backend: a constraint becomes one regex, then a to
   characters of its accepted tokens through it; the forced text is the run of characters from
   the current state on where each state has exactly one live outgoing character and is not final.
 
-outlines-core and interegular are imported lazily (``GRAMMAR_BACKENDS["outlines"]``).
+outlines-core and interegular are imported lazily (when ``OutlinesBackend`` is built).
 """
 
 from __future__ import annotations
@@ -361,13 +361,14 @@ class OutlinesMatcher:
         self._terminated = False
         _, self._char, self._pending = undone[0]
 
-    def forced_text(self) -> str:
+    def forced_text(self, max_chars: int | None = None) -> str:
         """The text the grammar forces next ('' when the next character is a choice, inside a
-        split UTF-8 character, or when this grammar has no character FSM)."""
+        split UTF-8 character, or when this grammar has no character FSM), at most ``max_chars``."""
         fsm = self._g.char_fsm
         if fsm is None or self._terminated or self._pending:
             return ""
-        return fsm.forced(self._char)
+        text = fsm.forced(self._char)
+        return text if max_chars is None else text[:max_chars]
 
     def is_completed(self) -> bool:
         """True once the text so far is a complete match (a stop token may follow)."""
@@ -416,7 +417,8 @@ class OutlinesBackend(CachedGrammarBackend):
         if kind == "regex":
             return _strip_outer_anchors(norm)
         try:
-            return self._oc.json_schema.build_regex_from_schema(norm, self._whitespace)
+            regex: str = self._oc.json_schema.build_regex_from_schema(norm, self._whitespace)
+            return regex
         except (ValueError, TypeError, RuntimeError) as e:
             raise ValueError(f"cannot compile json_schema: {_first_line(e)}") from None
 

@@ -283,7 +283,7 @@ def _merge(a: Any, b: Any, deref: Any) -> Any:
             if side.get("patternProperties") or other.get("patternProperties"):
                 raise _Unmergeable("additionalProperties next to patternProperties")
             own = side.get("properties") or {}
-            for name in list((other.get("properties") or {})):
+            for name in list(other.get("properties") or {}):
                 if name in own:
                     continue
                 if extra is False:
@@ -455,7 +455,8 @@ class _Checker:
             raise self.unsat(path, what)
         return out if isinstance(out, dict) else {}
 
-    def combinator(self, node: dict[str, Any], path: str, combinators: list[str], assertions: set[str]) -> dict[str, Any]:
+    def combinator(self, node: dict[str, Any], path: str, combinators: list[str],
+                   assertions: frozenset[str]) -> dict[str, Any]:
         kind = combinators[0]
         others = sorted(assertions - {kind})
         branches = node[kind]
@@ -474,7 +475,8 @@ class _Checker:
                 merged.update({k: v for k, v in siblings.items() if k not in ASSERTIONS})
             node.clear()
             node.update(merged)
-            return self.node(node, path)
+            result: dict[str, Any] = self.node(node, path)
+            return result
         originals, prepared = [], []
         for i, b in enumerate(branches):
             before = copy.deepcopy(b)
@@ -497,7 +499,7 @@ class _Checker:
             node["anyOf"] = node.pop("oneOf")
         return node
 
-    def enum(self, node: dict[str, Any], path: str, assertions: set[str]) -> dict[str, Any]:
+    def enum(self, node: dict[str, Any], path: str, assertions: frozenset[str]) -> dict[str, Any]:
         others = sorted(assertions - {"enum", "const", "type"})
         if others:
             raise self.fail(path, f"'enum'/'const' next to {', '.join(others)} is not supported: the grammar "
@@ -700,10 +702,10 @@ class _Checker:
         return False
 
     def objects_exclude(self, gen: dict[str, Any], other: dict[str, Any], depth: int) -> bool:
-        g_props = gen.get("properties") if isinstance(gen.get("properties"), dict) else {}
-        o_props = other.get("properties") if isinstance(other.get("properties"), dict) else {}
-        g_req = gen.get("required") if isinstance(gen.get("required"), list) else []
-        o_req = other.get("required") if isinstance(other.get("required"), list) else []
+        g_props = _dict_field(gen, "properties")
+        o_props = _dict_field(other, "properties")
+        g_req = _list_field(gen, "required")
+        o_req = _list_field(other, "required")
         # a property gen always writes whose value other refuses
         for p in g_req:
             if p in o_props and p in g_props and self.excludes(g_props[p], o_props[p], depth + 1):
@@ -711,3 +713,15 @@ class _Checker:
         # a property other requires that gen never writes (strict: only named properties)
         closed = gen.get("additionalProperties") in (None, False) and not gen.get("patternProperties")
         return closed and any(p not in g_props for p in o_req)
+
+
+def _dict_field(node: dict[str, Any], key: str) -> dict[str, Any]:
+    """``node[key]`` when it is an object, else {}."""
+    value = node.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _list_field(node: dict[str, Any], key: str) -> list[Any]:
+    """``node[key]`` when it is an array, else []."""
+    value = node.get(key)
+    return value if isinstance(value, list) else []

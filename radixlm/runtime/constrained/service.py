@@ -14,9 +14,10 @@ from typing import Any
 
 from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.compile_pool import CompilePool
-from radixlm.runtime.constrained.grammar import GRAMMAR_BACKENDS, Grammar, GrammarConfig, normalize_spec
+from radixlm.runtime.constrained.grammar import Grammar, GrammarConfig, normalize_spec
 from radixlm.runtime.constrained.jump_forward import JumpForward
 from radixlm.runtime.constrained.limits import SpecLimits, check_spec
+from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS, make_grammar_backend
 from radixlm.runtime.constrained.tokenizer_info import build_tokenizer_vocab
 
 __all__ = ["ERROR_PREFIX", "GrammarService", "grammar_config"]
@@ -47,7 +48,7 @@ class GrammarService:
             )
         self.config = config
         self.vocab = build_tokenizer_vocab(tokenizer, vocab_size, stop_ids)
-        self.backend = GRAMMAR_BACKENDS[config.grammar_backend](self.vocab, grammar_config(config))
+        self.backend = make_grammar_backend(config.grammar_backend, self.vocab, grammar_config(config))
         self.jump_forward = JumpForward(self.vocab, lambda text: tokenizer.encode(text, add_special_tokens=False))
         self._pool = CompilePool(config.grammar_compile_workers, config.grammar_compile_timeout, self._timed_out)
 

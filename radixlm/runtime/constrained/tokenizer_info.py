@@ -11,8 +11,9 @@ only where the grammar may end. This module imports neither torch nor a grammar 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 __all__ = ["TokenizerVocab", "build_tokenizer_vocab", "byte_level_decoder"]
 

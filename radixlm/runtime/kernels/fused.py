@@ -39,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     n = x.shape[-1]
     block = triton.next_power_of_2(n)
     has_res = residual is not None
-    r = residual if has_res else x
+    r = residual if residual is not None else x
     _rms_norm_kernel[(x.shape[0],)](
         x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), n, eps,
         HAS_RESIDUAL=has_res, BLOCK=block, num_warps=min(16, max(1, block // 256)),

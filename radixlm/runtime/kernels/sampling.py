@@ -34,8 +34,9 @@ SGLang reports temperature-scaled logprobs for sampled rows unless
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -116,7 +117,7 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         eos_ids_to_block: Sequence[Sequence[int]] | None = None,
-    ) -> "SamplingBatch":
+    ) -> SamplingBatch:
         """Gather one step's per-row parameters into tensors on ``device``.
 
         ``output_ids[i]``: tokens row i has generated so far (for penalties).
@@ -252,11 +253,13 @@ def apply_penalties_and_blocks(logits: torch.Tensor, batch: SamplingBatch) -> to
         return logits.float()
     x = logits.to(torch.float32, copy=True)
     if batch.need_penalties:
-        r, t = batch.penalty_rows, batch.penalty_tokens
+        r, t, rp, counts, freq, pres = (batch.penalty_rows, batch.penalty_tokens, batch.repetition_penalties,
+                                        batch.penalty_counts, batch.frequency_penalties, batch.presence_penalties)
+        assert r is not None and t is not None and rp is not None and counts is not None
+        assert freq is not None and pres is not None
         v = x[r, t]
-        rp = batch.repetition_penalties
         v = torch.where(v > 0, v / rp, v * rp)
-        v = v - batch.penalty_counts * batch.frequency_penalties - batch.presence_penalties
+        v = v - counts * freq - pres
         x[r, t] = v
     if batch.block_rows is not None:
         x[batch.block_rows, batch.block_tokens] = _NEG_INF
@@ -288,14 +291,16 @@ def _filtered_weights(
     they are in sorted order, the (S, W) vocab ids of each column (``index`` is None when the
     weights are already in vocab order).
     """
+    temperatures, top_ks, top_ps, min_ps = batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps
+    assert temperatures is not None and top_ks is not None and top_ps is not None and min_ps is not None
     x = _finite_rows(x)
     if batch.need_temperature:
-        x = x / batch.temperatures
+        x = x / temperatures
     probs = torch.softmax(x, dim=-1)
     if not (batch.need_top_k or batch.need_top_p):
         if batch.need_min_p:
             top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < batch.min_ps.unsqueeze(1) * top, 0.0)
+            probs = probs.masked_fill(probs < min_ps.unsqueeze(1) * top, 0.0)
         return probs, None
 
     w = batch.sort_width
@@ -305,7 +310,7 @@ def _filtered_weights(
         vals, idx = probs.sort(dim=-1, descending=True, stable=True)
     if batch.need_top_k:
         cols = torch.arange(vals.shape[1], device=vals.device)
-        vals = vals.masked_fill(cols.unsqueeze(0) >= batch.top_ks.unsqueeze(1), 0.0)
+        vals = vals.masked_fill(cols.unsqueeze(0) >= top_ks.unsqueeze(1), 0.0)
     if batch.need_top_p:
         cum = vals.cumsum(dim=-1)
         total = cum[:, -1:]
@@ -313,13 +318,13 @@ def _filtered_weights(
         # Rows with top_p == 1 skip the test: float saturation of the cumsum would otherwise
         # drop far-tail tokens.
         limit = torch.where(
-            batch.top_ps.unsqueeze(1) < 1.0,
-            batch.top_ps.unsqueeze(1) * total,
+            top_ps.unsqueeze(1) < 1.0,
+            top_ps.unsqueeze(1) * total,
             torch.full_like(total, float("inf")),
         )
         vals = vals.masked_fill(before >= limit, 0.0)
     if batch.need_min_p:
-        vals = vals.masked_fill(vals < batch.min_ps.unsqueeze(1) * vals[:, :1], 0.0)
+        vals = vals.masked_fill(vals < min_ps.unsqueeze(1) * vals[:, :1], 0.0)
     return vals, idx
 
 
@@ -331,7 +336,7 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     x = apply_penalties_and_blocks(logits, batch)
     out = torch.zeros_like(x)
     out.scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
-    if batch.all_greedy:
+    if batch.sample_rows is None:  # all greedy
         return out
     w, idx = _filtered_weights(x.index_select(0, batch.sample_rows), batch)
     if idx is not None:
@@ -400,13 +405,15 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _sample_rows(x: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) -> None:
     """Overwrite ``tokens`` at the sampled rows with their draws."""
-    weights, idx = _filtered_weights(x.index_select(0, batch.sample_rows), batch)
+    rows = batch.sample_rows
+    assert rows is not None
+    weights, idx = _filtered_weights(x.index_select(0, rows), batch)
     if idx is not None:
         # back to vocabulary order, so a row's draw does not depend on its batch's sort width
         weights = torch.zeros(weights.shape[0], batch.vocab_size, dtype=weights.dtype,
                               device=weights.device).scatter_(1, idx, weights)
     picked = _inverse_cdf(weights, _uniforms(batch, weights.shape[0]))
-    tokens.index_copy_(0, batch.sample_rows, picked)
+    tokens.index_copy_(0, rows, picked)
 
 
 def with_logprobs(

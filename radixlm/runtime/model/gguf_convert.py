@@ -53,7 +53,8 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's per-head (pairs -> halves) reordering of Q/K output rows."""
     rows = w.shape[0]
     half = rows // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    out: np.ndarray = w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return out
 
 
 def gguf_to_hf_config(reader: Any) -> dict[str, Any]:

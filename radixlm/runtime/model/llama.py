@@ -10,6 +10,8 @@ too (radixlm.runtime.kernels.gemv); elsewhere the plain PyTorch below.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,12 +66,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), rotary, backend))
+        out: torch.Tensor = self.o_proj(self.attend(self.qkv_proj(x), rotary, backend))
+        return out
 
     def attend(self, qkv: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> torch.Tensor:
         """Attention output [T, q_size] (before o_proj) from the fused q/k/v projection."""
         a = self.arch
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q, k, v = torch.split(qkv, [a.q_size, a.kv_size, a.kv_size], dim=-1)
         q, k = rotary.apply(q.view(-1, a.num_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim))
         v = v.view(-1, a.num_kv_heads, a.head_dim)
         return backend.forward(self.layer, q, k, v)
@@ -86,9 +89,11 @@ class MLP(nn.Module):
         if gate_up.is_cuda:
             from radixlm.runtime.kernels import fused
 
-            return self.down_proj(fused.silu_mul(gate_up))
+            out: torch.Tensor = self.down_proj(fused.silu_mul(gate_up))
+            return out
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -175,7 +180,7 @@ class LlamaModel(nn.Module):
         """forward() for few tokens on CUDA: the residual stream updated in place layer by layer."""
         from radixlm.runtime.kernels.gemv import linear_few
 
-        for layer in self.layers:
+        for layer in cast("list[DecoderLayer]", self.layers):
             layer.forward_rows(h, rotary, backend)
         if logit_rows is not None:
             h = h[logit_rows]

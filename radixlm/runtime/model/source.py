@@ -17,10 +17,12 @@ import hashlib
 import importlib.util
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+from radixlm.runtime.config import DEFAULT_MODEL
 from radixlm.runtime.model.arch import ModelArch
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+__all__ = ["BUILTIN_GGUF", "DEFAULT_MODEL", "DUMMY_CONFIGS", "ModelSource", "builtin_gguf_path", "resolve_model"]
 
 # built-in name -> (python package that ships the GGUF, file name inside it)
 BUILTIN_GGUF: dict[str, tuple[str, str]] = {
@@ -33,7 +35,7 @@ _LLAMA3_8B = dict(
     rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
     bos_token_id=128000, eos_token_id=128001,
 )
-DUMMY_CONFIGS: dict[str, dict] = {
+DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3-8b": _LLAMA3_8B,
     "smollm2-135m": dict(  # the default model's architecture
         architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,

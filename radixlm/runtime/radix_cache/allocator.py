@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from radixlm.runtime.radix_cache.base import IntegrityError
+
 
 class SlotAllocator:
     """Hands out KV token slots from a free stack; O(n) per call in the slots handled."""
@@ -60,15 +62,30 @@ class SlotAllocator:
         return out
 
     def free(self, slots: Iterable[int]) -> None:
-        """Return slots to the pool; a double free or an out-of-range slot is an AssertionError."""
+        """Return slots to the pool; a double free or an out-of-range slot is an IntegrityError."""
         in_use = self._in_use
         n = self._num_slots
         free = self._free
         for s in slots:
-            assert 0 < s <= n, f"slot {s} out of range 1..{n}"
-            assert in_use[s], f"double free of slot {s}"
+            if not 0 < s <= n:
+                raise IntegrityError(f"slot {s} out of range 1..{n}")
+            if not in_use[s]:
+                raise IntegrityError(f"double free of slot {s}")
             in_use[s] = 0
             free.append(s)
+
+    def check_integrity(self) -> None:
+        """The free stack and the in-use flags agree; IntegrityError names the first slot that does not."""
+        in_use = self._in_use
+        seen: set[int] = set()
+        for s in self._free:
+            if not 0 < s <= self._num_slots:
+                raise IntegrityError(f"free slot {s} out of range 1..{self._num_slots}")
+            if in_use[s] or s in seen:
+                raise IntegrityError(f"slot {s} is free twice or free and in use")
+            seen.add(s)
+        if len(seen) + sum(in_use) != self._num_slots:
+            raise IntegrityError(f"{self._num_slots - len(seen) - sum(in_use)} slots are neither free nor in use")
 
     def __repr__(self) -> str:
         return f"SlotAllocator(num_slots={self._num_slots}, num_free={len(self._free)})"

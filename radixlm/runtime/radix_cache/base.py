@@ -77,7 +77,7 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def check_integrity(self) -> None:
-        """Walk the structure; raise AssertionError on any broken invariant."""
+        """Walk the structure; raise IntegrityError naming the first broken invariant."""
 
     @abstractmethod
     def reset(self) -> None:

@@ -12,7 +12,7 @@ import heapq
 from collections.abc import Sequence
 
 from radixlm.runtime.radix_cache.allocator import SlotAllocator
-from radixlm.runtime.radix_cache.base import MatchResult, PrefixCache
+from radixlm.runtime.radix_cache.base import IntegrityError, MatchResult, PrefixCache
 
 
 class _Node:
@@ -106,8 +106,10 @@ class RadixCache(PrefixCache):
         return tokens if type(tokens) is list else list(tokens)
 
     def _check_alive(self, node: object) -> _Node:
-        assert isinstance(node, _Node), f"not a node of this cache: {node!r}"
-        assert node is self._root or node.parent is not None, f"node was evicted or reset: {node!r}"
+        if not isinstance(node, _Node):
+            raise TypeError(f"not a node of this cache: {node!r}")
+        if node is not self._root and node.parent is None:
+            raise IntegrityError(f"node was evicted or reset: {node!r}")
         return node
 
     # ------------------------------------------------------------------ public API
@@ -208,9 +210,11 @@ class RadixCache(PrefixCache):
         """Decrement the lock count of ``node`` and every ancestor below the root."""
         cur = self._check_alive(node)
         root = self._root
-        assert cur is root or cur.lock_ref > 0, f"unlock of an unlocked node: {cur!r}"
+        if cur is not root and cur.lock_ref <= 0:
+            raise IntegrityError(f"unlock of an unlocked node: {cur!r}")
         while cur is not root:
-            assert cur.lock_ref > 0, f"lock_ref would go negative: {cur!r}"
+            if cur.lock_ref <= 0:
+                raise IntegrityError(f"lock_ref would go negative: {cur!r}")
             cur.lock_ref -= 1
             if cur.lock_ref == 0:
                 size = len(cur.key)
@@ -262,12 +266,13 @@ class RadixCache(PrefixCache):
         return self._protected
 
     def check_integrity(self) -> None:
-        """Walk the tree and assert every invariant (sizes, locks, keys, slots, leaves)."""
+        """Walk the tree and check every invariant (sizes, locks, keys, slots, leaves); IntegrityError
+        names the first one broken."""
         root = self._root
-        page = self._page
-        alloc = self._allocator
-        assert not root.key and not root.slots and root.parent is None, "root must be empty"
-        assert root.lock_ref == 0, "root is never locked"
+        if root.key or root.slots or root.parent is not None:
+            raise IntegrityError("root must be empty")
+        if root.lock_ref != 0:
+            raise IntegrityError("root is never locked")
         total = evictable = protected = 0
         seen: set[int] = set()
         leaves: set[_Node] = set()
@@ -275,21 +280,8 @@ class RadixCache(PrefixCache):
         while stack:
             node = stack.pop()
             for ck, child in node.children.items():
-                key = child.key
-                assert child.parent is node, f"bad parent link at {child!r}"
-                assert key, f"empty segment in non-root node {child!r}"
-                assert len(key) == len(child.slots), f"key/slots length mismatch at {child!r}"
-                assert len(key) % page == 0, f"segment not page aligned at {child!r}"
-                assert ck == self._child_key(key, 0), f"child keyed {ck!r} but starts {key[:page]}"
-                assert child.lock_ref >= 0, f"negative lock_ref at {child!r}"
-                if node is not root:
-                    assert node.lock_ref >= child.lock_ref, f"lock_ref above parent's: {child!r}"
-                    assert node.last_access >= child.last_access, f"LRU order broken at {child!r}"
-                for s in child.slots:
-                    assert s not in seen, f"slot {s} appears twice in the tree"
-                    assert alloc.is_allocated(s), f"slot {s} is in the tree but not allocated"
-                    seen.add(s)
-                size = len(key)
+                self._check_node(node, ck, child, seen)
+                size = len(child.key)
                 total += size
                 if child.lock_ref:
                     protected += size
@@ -298,14 +290,49 @@ class RadixCache(PrefixCache):
                     if not child.children:
                         leaves.add(child)
                 stack.append(child)
-        assert total == self._total, f"total_size {self._total} != walked {total}"
-        assert evictable == self._evictable, f"evictable {self._evictable} != walked {evictable}"
-        assert protected == self._protected, f"protected {self._protected} != walked {protected}"
-        assert leaves == self._leaves, "eviction-candidate set out of sync"
+        if total != self._total:
+            raise IntegrityError(f"total_size {self._total} != walked {total}")
+        if evictable != self._evictable:
+            raise IntegrityError(f"evictable {self._evictable} != walked {evictable}")
+        if protected != self._protected:
+            raise IntegrityError(f"protected {self._protected} != walked {protected}")
+        if leaves != self._leaves:
+            raise IntegrityError("eviction-candidate set out of sync")
+
+    def _check_node(self, node: _Node, ck: object, child: _Node, seen: set[int]) -> None:
+        """One parent -> child link of the walk in ``check_integrity``; adds child's slots to ``seen``."""
+        key = child.key
+        problem = ""
+        if child.parent is not node:
+            problem = "bad parent link"
+        elif not key:
+            problem = "empty segment in non-root node"
+        elif len(key) != len(child.slots):
+            problem = "key/slots length mismatch"
+        elif len(key) % self._page:
+            problem = "segment not page aligned"
+        elif ck != self._child_key(key, 0):
+            problem = f"child keyed {ck!r} but starts {key[:self._page]}"
+        elif child.lock_ref < 0:
+            problem = "negative lock_ref"
+        elif node is not self._root and node.lock_ref < child.lock_ref:
+            problem = "lock_ref above parent's"
+        elif node is not self._root and node.last_access < child.last_access:
+            problem = "LRU order broken"
+        if problem:
+            raise IntegrityError(f"{problem} at {child!r}")
+        alloc = self._allocator
+        for s in child.slots:
+            if s in seen:
+                raise IntegrityError(f"slot {s} appears twice in the tree")
+            if not alloc.is_allocated(s):
+                raise IntegrityError(f"slot {s} is in the tree but not allocated")
+            seen.add(s)
 
     def reset(self) -> None:
         """Drop the whole tree, freeing every slot back to the allocator."""
-        assert self._protected == 0, "reset while nodes are locked"
+        if self._protected:
+            raise IntegrityError("reset while nodes are locked")
         slots: list[int] = []
         stack = list(self._root.children.values())
         while stack:

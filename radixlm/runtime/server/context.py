@@ -49,6 +49,7 @@ class ServerContext:
         self._engine_down: str | None = None  # why the engine cannot serve (it died; restarting or not)
         self._restarts: deque[float] = deque()  # monotonic times of restarts within the window
         self.num_restarts = 0
+        self.session_lock = asyncio.Lock()  # /open_session checks the cap and opens as one step
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -56,6 +57,7 @@ class ServerContext:
         self._client = EngineClient(self.engine_config)
         self.info = await self._client.start()
         self._tokenizer = await asyncio.to_thread(ServerTokenizer.load, self.info)
+        self._tokenizer.special_in_content = self.settings.special_tokens_in_content
         self._dispatcher = Dispatcher(self._client, self.metrics, self.settings.max_queued_requests,
                                       self.settings.max_pending_outputs)
         if self.phase is Phase.STARTING:
@@ -120,7 +122,7 @@ class ServerContext:
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def close(self) -> None:

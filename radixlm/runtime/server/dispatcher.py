@@ -14,10 +14,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from radixlm.runtime.engine_core import RequestOutput
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.intake import PromptRequest, Submission, submissions
 from radixlm.runtime.server.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from radixlm.runtime.server.errors import ApiError
-from radixlm.runtime.server.messages import AddRequest
 from radixlm.runtime.server.metrics import Metrics
 from radixlm.runtime.sessions import SessionParams
 
@@ -27,7 +26,7 @@ class Job:
     """One engine request and where its result goes in the response."""
 
     index: int
-    request: AddRequest
+    request: Submission
     user_rid: str  # what /abort_request names; n copies of one prompt share it
 
 
@@ -63,9 +62,8 @@ class Dispatcher:
     @contextlib.asynccontextmanager
     async def run(self, jobs: list[Job], arrival: float, admit: bool = True) -> AsyncIterator[AsyncIterator[Event]]:
         """Submit `jobs` and yield their merged events; on exit, abort whatever has not finished."""
-        rids = [j.request.rid for j in jobs]
-        if len(set(rids)) != len(rids) or any(r in self._active for r in rids):
-            taken = next(r for r in rids if r in self._active or rids.count(r) > 1)
+        taken = self._taken([j.request.rid for j in jobs], {j.user_rid for j in jobs})
+        if taken is not None:
             raise ApiError(400, f"request id {taken!r} is already in use; give each request its own rid", "rid")
         if admit and len(self._active) + len(jobs) > self.max_queued:
             raise ApiError(
@@ -91,6 +89,14 @@ class Dispatcher:
             finally:  # also when the handler is cancelled meanwhile (its connection closed)
                 for j in jobs:
                     self._active.pop(j.request.rid, None)
+
+    def _taken(self, rids: list[str], user_rids: set[str]) -> str | None:
+        """A name the new jobs would share with one in flight (an engine rid or the rid its client
+        gave: an n > 1 request's copies rid-0, rid-1 hold rid too), or that they repeat; else None."""
+        if len(set(rids)) != len(rids):
+            return next(r for r in rids if rids.count(r) > 1)
+        in_use = set(self._active) | set(self._active.values())
+        return next((r for r in [*rids, *sorted(user_rids)] if r in in_use), None)
 
     async def abort(self, user_rid: str | None) -> int:
         """Abort the engine requests of one user rid (None: all); returns how many."""
@@ -153,19 +159,6 @@ async def _merged(queue: asyncio.Queue[Event], n: int, pending: list[int]) -> As
         yield ev
 
 
-@dataclass(frozen=True)
-class PromptSpec:
-    """One prompt of an HTTP request with its options, before n is expanded."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    user_rid: str
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    session: SessionParams | None = None
-
-
 def check_job_count(count: int, max_jobs: int, what: str = "completions (prompts x n)") -> None:
     """A request that alone asks for more engine requests than the server admits at once can never
     run: a 400 before anything is tokenized or expanded (retrying, as after a 429, cannot help)."""
@@ -174,24 +167,14 @@ def check_job_count(count: int, max_jobs: int, what: str = "completions (prompts
                             "runs at once (--max-queued-requests); split it into smaller requests")
 
 
-def expand_jobs(prompts: list[PromptSpec], max_jobs: int) -> list[Job]:
-    """One job per completion: n copies of each prompt, in prompt-major order (at most max_jobs).
-
-    Copies of a seeded request get seeds seed+i, so each is its own sample yet reproducible
-    (what the in-process Engine does)."""
+def expand_jobs(prompts: list[PromptRequest], max_jobs: int, session: SessionParams | None = None) -> list[Job]:
+    """One job per completion: n copies of each prompt, in prompt-major order (at most max_jobs),
+    built by the intake every caller shares (radixlm.runtime.intake.submissions)."""
     check_job_count(sum(p.params.n for p in prompts), max_jobs)
     jobs: list[Job] = []
-    for p in prompts:
-        n = p.params.n
-        for i in range(n):
-            params = p.params
-            if n > 1:
-                seed = None if params.seed is None else params.seed + i
-                params = SamplingParams.from_dict({**params.to_dict(), "n": 1, "seed": seed})
-            rid = p.user_rid if n == 1 else f"{p.user_rid}-{i}"
-            req = AddRequest(rid, p.prompt_ids, params.to_dict(), p.return_logprob, p.logprob_start_len,
-                             p.top_logprobs_num, p.session)
-            jobs.append(Job(len(jobs), req, p.user_rid))
+    for p, copies in zip(prompts, submissions(prompts, session)):
+        for sub in copies:
+            jobs.append(Job(len(jobs), sub, p.rid))
     return jobs
 
 

@@ -8,7 +8,7 @@ import multiprocessing
 import os
 import signal
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import zmq
@@ -16,10 +16,10 @@ import zmq.asyncio
 
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine_core import RequestOutput
+from radixlm.runtime.intake import Submission
 from radixlm.runtime.server.engine_process import run_engine_process
 from radixlm.runtime.server.messages import (
     AbortRequest,
-    AddRequest,
     Crashed,
     Query,
     Ready,
@@ -73,7 +73,8 @@ class EngineClient:
         # The sentinel becomes readable when the process exits, however it exits (SIGKILL included).
         loop.add_reader(self._proc.sentinel, self._on_sentinel)
         ready = asyncio.ensure_future(self._recv_ready())
-        await asyncio.wait({ready, self._exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waiting: set[asyncio.Future[Any]] = {ready, self._exited}
+        await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             ready.cancel()
             if self._exited.done():
@@ -107,7 +108,7 @@ class EngineClient:
         assert self._exited is not None, "start() first"
         return await asyncio.shield(self._exited)
 
-    async def generate(self, req: AddRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: Submission) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs; closing the iterator early aborts the request."""
         if self.dead:
             raise EngineDeadError(self.dead)

@@ -16,10 +16,8 @@ import zmq
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.intake import Submission
-from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.messages import (
     AbortRequest,
-    AddRequest,
     Crashed,
     Query,
     Ready,
@@ -77,7 +75,7 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> Non
         raise  # the traceback goes to stderr (the server's log) and the exit code is 1
 
 
-def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any]) -> None:
     """Handle messages and step while there is work; returns on Shutdown or when the server is gone."""
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -90,7 +88,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         while poller.poll(timeout):
             msg = inbox.recv_pyobj()
             if isinstance(msg, Shutdown):
-                for rid in list(core.tracks):
+                for rid in list(core.requests):
                     out = core.abort(rid)
                     if out is not None:
                         outbox.send_pyobj(StepOutputs([out]))
@@ -103,7 +101,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                 outputs = core.step()
             except Exception as e:  # noqa: BLE001 - a broken step fails its requests, not the engine
                 message = f"engine step failed: {type(e).__name__}: {e}"
-                for rid in list(core.tracks):
+                for rid in list(core.requests):
                     core.abort(rid)
                     outbox.send_pyobj(RequestFailed(rid, message, bad_input=False))
                 continue
@@ -112,15 +110,13 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                     outbox.send_pyobj(RequestFailed(out.rid, out.error, bad_input=True))
             outputs = [o for o in outputs if o.error is None]
             if outputs:
-                _attach_logprob_deltas(core, outputs)
                 outbox.send_pyobj(StepOutputs(outputs))
 
 
-def _handle(core: EngineCore, msg: Any, outbox: zmq.Socket) -> None:
-    if isinstance(msg, AddRequest):
+def _handle(core: EngineCore, msg: Any, outbox: zmq.Socket[Any]) -> None:
+    if isinstance(msg, Submission):  # parsed and checked at the edge: it goes in as it is
         try:
-            core.add_request(Submission(msg.rid, msg.prompt_ids, SamplingParams.from_dict(msg.params),
-                                        msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.session))
+            core.add_request(msg)
         except ValueError as e:
             outbox.send_pyobj(RequestFailed(msg.rid, str(e), bad_input=True,
                                             not_found=isinstance(e, SessionNotFoundError)))
@@ -151,18 +147,3 @@ def _session_query(core: EngineCore, kind: str, args: dict[str, Any]) -> dict[st
         return {"session_id": args["session_id"]}
     except SessionError as e:
         return {"error": str(e), "status": 404 if isinstance(e, SessionNotFoundError) else 400}
-
-
-def _attach_logprob_deltas(core: EngineCore, outputs: list[Any]) -> None:
-    """Give unfinished outputs of logprob requests the logprobs of their new tokens, so a
-    streaming client gets them with each chunk (a finished output's meta holds them all)."""
-    for out in outputs:
-        if out.finished or not out.token_ids_delta:
-            continue
-        track = core.tracks.get(out.rid)
-        if track is None or not track.return_logprob:
-            continue
-        k = len(out.token_ids_delta)
-        out.meta = {"output_token_logprobs": track.output_logprobs[-k:]}
-        if track.top_logprobs_num:
-            out.meta["output_top_logprobs"] = track.output_top_logprobs[-k:]

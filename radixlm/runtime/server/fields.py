@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from radixlm.runtime.server.errors import ApiError
 
@@ -19,7 +20,7 @@ def is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def is_token_list(x: Any) -> bool:
+def is_token_list(x: Any) -> TypeGuard[list[int]]:
     return isinstance(x, list) and all(is_int(t) for t in x)
 
 
@@ -55,8 +56,8 @@ def get_float(body: Mapping[str, Any], key: str, default: Any = None, lo: float 
     v = body.get(key)
     if v is None:
         return default
-    if not is_number(v) or not math.isfinite(v):
-        raise ApiError(400, f"{key} must be a number, got {_show(v)}", param=key)
+    if not is_number(v) or not _finite(v):
+        raise ApiError(400, f"{key} must be a finite number, got {_show(v)}", param=key)
     _check_range(key, v, lo, hi)
     return float(v)
 
@@ -103,13 +104,30 @@ def get_stop(body: Mapping[str, Any], key: str = "stop") -> list[str]:
 
 def _check_range(key: str, v: float, lo: float | None, hi: float | None) -> None:
     if lo is not None and v < lo:
-        raise ApiError(400, f"{key} must be >= {lo:g}, got {v:g}", param=key)
+        raise ApiError(400, f"{key} must be >= {show_number(lo)}, got {show_number(v)}", param=key)
     if hi is not None and v > hi:
-        raise ApiError(400, f"{key} must be <= {hi:g}, got {v:g}", param=key)
+        raise ApiError(400, f"{key} must be <= {show_number(hi)}, got {show_number(v)}", param=key)
+
+
+def show_number(v: float) -> str:
+    """A number for an error message: any int (however large, never an OverflowError), floats as %g."""
+    if isinstance(v, int):
+        text = str(v)
+        return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+    return f"{v:g}"
+
+
+def _finite(v: float) -> bool:
+    if isinstance(v, int):
+        return abs(v) <= _FLOAT_MAX_INT
+    return math.isfinite(v)
+
+
+_FLOAT_MAX_INT = int(sys.float_info.max)
 
 
 def _show(v: Any) -> str:
-    text = repr(v)
+    text = show_number(v) if is_int(v) else repr(v)
     kind = type(v).__name__ if v is not None else "null"
     kind = {"str": "string", "dict": "object", "list": "array", "bool": "boolean", "float": "number",
             "int": "integer"}.get(kind, kind)

@@ -1,4 +1,6 @@
-"""Typed messages between the server process and the engine-core process."""
+"""Typed messages between the server process and the engine-core process.
+
+A request to run is the `Submission` the HTTP edge built (radixlm.runtime.intake), sent as it is."""
 
 from __future__ import annotations
 
@@ -6,21 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.runtime.engine_core import RequestOutput
-from radixlm.runtime.sessions import SessionParams
 
 
-# server -> engine
-@dataclass(frozen=True)
-class AddRequest:
-    rid: str
-    prompt_ids: list[int]
-    params: dict[str, Any]  # SamplingParams.to_dict()
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    session: SessionParams | None = None  # a turn of an open session
-
-
+# server -> engine: a radixlm.runtime.intake.Submission (one completion, its params parsed once at the
+# edge and sent typed), or one of these.
 @dataclass(frozen=True)
 class AbortRequest:
     rid: str

@@ -13,13 +13,13 @@ from typing import Any
 
 from aiohttp import web
 
+from radixlm.runtime.intake import PromptRequest, Submission
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.context import CONTEXT, ServerContext
-from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, check_job_count, expand_jobs, next_event
+from radixlm.runtime.server.dispatcher import Event, Job, check_job_count, expand_jobs, next_event
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import check_keys, get_bool, get_float, get_int, get_str, is_token_list
-from radixlm.runtime.server.messages import AddRequest
-from radixlm.runtime.server.payload import finite_logprob, json_response, read_json_object
+from radixlm.runtime.server.payload import check_response_cost, finite_logprob, json_response, read_json_object
 from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
 from radixlm.runtime.sessions import SessionError, SessionParams
@@ -27,7 +27,7 @@ from radixlm.runtime.sessions import SessionError, SessionParams
 log = logging.getLogger("radixlm.server")
 
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream", "session_params")
+                   "top_logprobs_num", "return_text_in_logprobs", "stream", "session_params", "plain_text_spans")
 # SGLang fields for features this server lacks: accepted only when empty, so its clients work unchanged.
 GENERATE_UNSUPPORTED = ("image_data", "audio_data", "video_data", "input_embeds", "lora_path",
                         "custom_logit_processor", "return_hidden_states", "token_ids_logprob", "modalities")
@@ -69,7 +69,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
     body = await read_json_object(request, ctx.settings.max_request_bytes)
     tok, dispatcher = ctx.require_ready()
-    spec = parse_generate(body, tok, ctx.settings.max_top_logprobs, ctx.settings.max_queued_requests)
+    # off the event loop: tokenizing a long prompt must not stall other requests
+    spec = await asyncio.to_thread(parse_generate, body, tok, ctx.settings.max_top_logprobs,
+                                   ctx.settings.max_queued_requests)
+    check_response_cost(spec.jobs, ctx.settings.max_response_bytes)
     with ctx.busy():
         try:
             async with dispatcher.run(spec.jobs, arrival) as events:
@@ -95,27 +98,27 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max
     start = _per_prompt(body, "logprob_start_len", b)
     top = _per_prompt(body, "top_logprobs_num", b)
     rids = _rids(body, b)
-    specs: list[PromptSpec] = []
+    specs: list[PromptRequest] = []
     for i, ids in enumerate(prompts):
         try:
             sp = SamplingParams.from_dict(params[i])
         except ValueError as e:
             raise ApiError(400, f"invalid sampling_params: {e}", param="sampling_params") from None
-        specs.append(PromptSpec(
+        specs.append(PromptRequest(
+            rid=rids[i],
             prompt_ids=ids,
             params=sp,
-            user_rid=rids[i],
             return_logprob=get_bool({"return_logprob": logprob[i]}, "return_logprob"),
             logprob_start_len=get_int({"logprob_start_len": start[i]}, "logprob_start_len", -1, lo=-1),
             top_logprobs_num=get_int({"top_logprobs_num": top[i]}, "top_logprobs_num", 0, lo=0, hi=max_top),
         ))
     session = _session_params(body)
-    if session is not None:
-        if b != 1 or specs[0].params.n != 1:
-            raise ApiError(400, "a session turn is one prompt with n = 1; send the others as separate turns",
-                           param="session_params")
-        specs[0] = dataclasses.replace(specs[0], session=session)
-    jobs = expand_jobs(specs, max_jobs)
+    if session is None:  # a session turn's prompt grows by its history: the engine checks it
+        check_logprob_start(specs)
+    try:
+        jobs = expand_jobs(specs, max_jobs, session)
+    except ValueError as e:  # a session turn of several prompts or n > 1
+        raise ApiError(400, str(e), param="session_params") from None
     return GenerateSpec(
         jobs=jobs,
         single=single and len(jobs) == 1,
@@ -124,13 +127,23 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max
     )
 
 
+def check_logprob_start(specs: list[PromptRequest]) -> None:
+    """logprob_start_len is -1 (output logprobs only) or a position inside its prompt."""
+    for p in specs:
+        if p.logprob_start_len >= len(p.prompt_ids):
+            raise ApiError(400, f"logprob_start_len {p.logprob_start_len} is past the prompt's {len(p.prompt_ids)} "
+                                "tokens; give -1 or a position inside the prompt", param="logprob_start_len")
+
+
 def _prompts(body: dict[str, Any], tok: ServerTokenizer) -> tuple[list[list[int]], bool]:
-    text, ids = body.get("text"), body.get("input_ids")
+    text, ids, spans = body.get("text"), body.get("input_ids"), body.get("plain_text_spans")
     if (text is None) == (ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", param="text" if text is not None else None)
+    if spans is not None and not isinstance(text, str):
+        raise ApiError(400, "plain_text_spans goes with a single string text", param="plain_text_spans")
     if text is not None:
         if isinstance(text, str):
-            return [tok.encode_text(text, "text")], True
+            return [tok.encode_text(text, "text", spans)], True
         if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
             return [tok.encode_text(t, f"text[{i}]") for i, t in enumerate(text)], False
         raise ApiError(400, "text must be a string or a non-empty list of strings", param="text")
@@ -180,12 +193,13 @@ def _rids(body: dict[str, Any], b: int) -> list[str]:
 
 async def _collect(spec: GenerateSpec, events: Any, tok: ServerTokenizer) -> web.Response:
     n = len(spec.jobs)
-    texts, ids = [""] * n, [[] for _ in range(n)]
+    texts, ids = [""] * n, [list[int]() for _ in range(n)]
     metas: list[dict[str, Any]] = [{} for _ in range(n)]
     async for ev in events:
         if ev.error is not None:
             raise ev.error
         out = ev.output
+        assert out is not None  # an event holds an output or an error
         texts[ev.index] += out.text_delta
         out.apply_ids(ids[ev.index])
         if out.finished:
@@ -200,7 +214,7 @@ async def _collect(spec: GenerateSpec, events: Any, tok: ServerTokenizer) -> web
 async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: ServerTokenizer) -> web.StreamResponse:
     """SGLang's stream: each chunk holds the text and output ids so far (cumulative)."""
     n = len(spec.jobs)
-    texts, ids = [""] * n, [[] for _ in range(n)]
+    texts, ids = [""] * n, [list[int]() for _ in range(n)]
     lps: list[list[Any]] = [[] for _ in range(n)]
     tops: list[list[Any]] = [[] for _ in range(n)]
     it = events.__aiter__()
@@ -214,6 +228,7 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
                 await send_event(resp, ev.error.body())
                 break
             i, out = ev.index, ev.output
+            assert out is not None  # an event holds an output or an error
             texts[i] += out.text_delta
             out.apply_ids(ids[i])
             if out.replace_from is not None:  # jump-forward re-tokenized a tail: its logprobs go too
@@ -234,7 +249,7 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
     return resp
 
 
-def _partial_meta(req: AddRequest, completion: int, lps: list[Any], tops: list[Any], tok: ServerTokenizer,
+def _partial_meta(req: Submission, completion: int, lps: list[Any], tops: list[Any], tok: ServerTokenizer,
                   text: bool) -> dict[str, Any]:
     meta: dict[str, Any] = {"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.prompt_ids),
                             "completion_tokens": completion}
@@ -280,8 +295,9 @@ async def health_generate(request: web.Request) -> web.Response:
     arrival = time.perf_counter()
     tok, dispatcher = ctx.require_ready()
     ids = tok.encode_text("ping", "text")
-    params = SamplingParams(max_new_tokens=1, temperature=0).to_dict()
-    job = Job(0, AddRequest(f"health-{uuid.uuid4().hex}", ids, params), "health")
+    params = SamplingParams(max_new_tokens=1, temperature=0)
+    rid = f"health-{uuid.uuid4().hex}"
+    job = Job(0, Submission(rid, ids, params), rid)
 
     async def one_token() -> None:
         async with dispatcher.run([job], arrival, admit=False) as events:
@@ -292,7 +308,7 @@ async def health_generate(request: web.Request) -> web.Response:
     with ctx.busy():
         try:
             await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ApiError(503, f"the engine did not finish a one-token generation within "
                                 f"{HEALTH_GENERATE_TIMEOUT:.0f} s") from None
     return json_response({"status": "ok"})
@@ -392,12 +408,13 @@ async def tokenize(request: web.Request) -> web.Response:
     prompt = body.get("prompt")
     tok = _require_tokenizer(ctx)
     if isinstance(prompt, str):
-        ids = tok.encode_plain(prompt, special)
+        ids = await asyncio.to_thread(tok.encode_plain, prompt, special)  # off the event loop
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": tok.context_length})
     if not (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
         what = "is required" if prompt is None else "must be a string or a non-empty list of strings"
         raise ApiError(400, f"prompt {what}", param="prompt")
-    ids_list = [tok.encode_plain(p, special) for p in prompt]
+    ids_list = await asyncio.to_thread(lambda: [tok.encode_plain(p, special, f"prompt[{i}]")
+                                                for i, p in enumerate(prompt)])
     return json_response({"tokens": ids_list, "count": [len(x) for x in ids_list],
                           "max_model_len": tok.context_length})
 
@@ -438,10 +455,22 @@ async def open_session(request: web.Request) -> web.Response:
     key = "capacity" if body.get("capacity") is not None else "capacity_of_str_len"
     args = {"session_id": get_str(body, "session_id"), "capacity": get_int(body, key, None, lo=1),
             "ttl": get_float(body, "ttl")}
-    if args["ttl"] is not None and not args["ttl"] > 0:
-        raise ApiError(400, f"ttl must be > 0 seconds, got {args['ttl']}", param="ttl")
-    reply = await _session_query(ctx, "open_session", args, "session_id")
+    if args["ttl"] is not None and not 0 < args["ttl"] <= ctx.settings.max_session_ttl:
+        raise ApiError(400, f"ttl must be > 0 and <= {ctx.settings.max_session_ttl:g} seconds (--max-session-ttl), "
+                            f"got {args['ttl']:g}", param="ttl")
+    async with ctx.session_lock:  # the count and the open are one step
+        await check_session_room(ctx)
+        reply = await _session_query(ctx, "open_session", args, "session_id")
     return json_response(reply["session_id"])
+
+
+async def check_session_room(ctx: ServerContext) -> None:
+    """429 when --max-sessions sessions are open already."""
+    stats = await ctx.require_engine().query("stats")
+    open_now = int(stats.get("sessions_open", 0))
+    if open_now >= ctx.settings.max_sessions:
+        raise ApiError(429, f"{open_now} sessions are open, the server's limit (--max-sessions); close one "
+                            "(/close_session) or wait for one to expire", code="too_many_sessions")
 
 
 async def close_session(request: web.Request) -> web.Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -12,9 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.intake import PromptRequest
+from radixlm.runtime.sampling_params import PARAMS, Param, SamplingParams
 from radixlm.runtime.server.context import CONTEXT, ServerContext
-from radixlm.runtime.server.dispatcher import Event, Job, PromptSpec, check_job_count, expand_jobs, next_event
+from radixlm.runtime.server.dispatcher import Event, Job, check_job_count, expand_jobs, next_event
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import (
     check_keys,
@@ -27,7 +29,7 @@ from radixlm.runtime.server.fields import (
     is_int,
     is_token_list,
 )
-from radixlm.runtime.server.payload import finite_logprob, json_response, read_json_object
+from radixlm.runtime.server.payload import check_response_cost, finite_logprob, json_response, read_json_object
 from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
 from radixlm.runtime.sessions import SessionParams
@@ -35,13 +37,12 @@ from radixlm.runtime.sessions import SessionParams
 log = logging.getLogger("radixlm.server")
 
 MAX_N = 128
-COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-                 "presence_penalty", "frequency_penalty", "seed")
-# SGLang / vLLM extensions (the openai client sends them through extra_body).
-EXTRA_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-                "spaces_between_special_tokens", "stop_token_ids", "no_stop_trim", "regex", "json_schema", "ebnf")
-COMPLETION_FIELDS = (*COMMON_FIELDS, *EXTRA_FIELDS, "prompt", "echo", "logprobs", "best_of")
-CHAT_FIELDS = (*COMMON_FIELDS, *EXTRA_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
+# The sampling fields, by their OpenAI names (OpenAI's own, and the SGLang / vLLM extensions the openai
+# client sends through extra_body): from the SamplingParams declaration, OpenAI name -> native name.
+SAMPLING_FIELDS: dict[str, str] = {p.openai or name: name for name, p in PARAMS.items() if p.openai is not None}
+COMMON_FIELDS = ("model", "stream", "stream_options", *SAMPLING_FIELDS)
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "logprobs", "best_of")
+CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
                "response_format", "tool_choice", "session_id")
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                   "prompt_cache_retention", "reasoning_effort", "verbosity", "parallel_tool_calls")
@@ -50,8 +51,8 @@ UNSUPPORTED_FIELDS = ("suffix", "logit_bias", "tools", "functions", "function_ca
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Our option names -> the engine's, for error messages that name what the client sent.
-_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+# The engine's names -> ours, for error messages that name what the client sent.
+_RENAMES = {name: theirs for theirs, name in SAMPLING_FIELDS.items() if theirs != name}
 
 
 def routes() -> list[web.RouteDef]:
@@ -71,7 +72,10 @@ def _endpoint(planner: Callable[[dict[str, Any], ServerTokenizer, int, int], Pla
         arrival = time.perf_counter()
         body = await read_json_object(request, ctx.settings.max_request_bytes)
         tok, _ = ctx.require_ready()
-        plan = planner(body, tok, ctx.settings.max_top_logprobs, ctx.settings.max_queued_requests)
+        # off the event loop: tokenizing long prompts must not stall other requests
+        plan = await asyncio.to_thread(planner, body, tok, ctx.settings.max_top_logprobs,
+                                       ctx.settings.max_queued_requests)
+        check_response_cost(plan.jobs, ctx.settings.max_response_bytes)
         return await _run(request, ctx, plan, arrival, tok)
 
     return handle
@@ -117,47 +121,51 @@ class Plan:
     constraint_param: str | None = None  # the field that asked for constrained decoding
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: int | None, default_max: int) -> dict[str, Any]:
-    """OpenAI fields (plus SGLang extensions) as native sampling_params; 400s name the OpenAI field."""
-    d: dict[str, Any] = {
-        "max_new_tokens": default_max if max_tokens is None else max_tokens,
-        "temperature": get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        "top_p": get_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        "presence_penalty": get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        "frequency_penalty": get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        "seed": get_int(body, "seed"),
-        "stop": get_stop(body),
-        "top_k": get_int(body, "top_k", -1),
-        "min_p": get_float(body, "min_p", 0.0),
-        "repetition_penalty": get_float(body, "repetition_penalty", 1.0),
-        "min_new_tokens": get_int(body, "min_tokens", 0, lo=0),
-        "ignore_eos": get_bool(body, "ignore_eos"),
-        "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
-        "spaces_between_special_tokens": get_bool(body, "spaces_between_special_tokens", True),
-        "no_stop_trim": get_bool(body, "no_stop_trim"),
-        "regex": get_str(body, "regex"),
-        "ebnf": get_str(body, "ebnf"),
-    }
-    ids = body.get("stop_token_ids")
-    if ids is not None and not is_token_list(ids):
-        raise ApiError(400, "stop_token_ids must be a list of integer token ids", param="stop_token_ids")
-    d["stop_token_ids"] = ids or []
-    schema = body.get("json_schema")
-    if schema is not None:
-        if not isinstance(schema, (str, dict)):
-            raise ApiError(400, "json_schema must be a JSON schema (object or string)", param="json_schema")
-        d["json_schema"] = schema
+def _sampling(body: Mapping[str, Any], n: int, max_tokens: int | None, default_max: int) -> dict[str, Any]:
+    """OpenAI fields (plus SGLang extensions) as native sampling_params; 400s name the OpenAI field.
+    Fields not given are left out (SamplingParams' defaults apply); the route reads n and max_tokens."""
+    d: dict[str, Any] = {"n": n, "max_new_tokens": default_max if max_tokens is None else max_tokens}
+    for theirs, name in SAMPLING_FIELDS.items():
+        if name not in d and body.get(theirs) is not None:
+            d[name] = _read(body, theirs, PARAMS[name])
     return d
 
 
-def _params(d: dict[str, Any], n: int) -> SamplingParams:
+def _read(body: Mapping[str, Any], key: str, p: Param) -> Any:
+    """One sampling field, type-checked (and within the bounds of its OpenAI range) as the OpenAI API does;
+    SamplingParams checks the rest."""
+    if p.kind in ("int", "float"):
+        lo = p.lo if p.off is None and not p.lo_open else None
+        hi = p.openai_hi if p.openai_hi is not None else p.hi if p.off is None else None
+        if p.kind == "int":
+            return get_int(body, key, lo=None if lo is None else int(lo), hi=None if hi is None else int(hi))
+        return get_float(body, key, lo=lo, hi=hi)
+    if p.kind == "seed":
+        return get_int(body, key)
+    if p.kind == "bool":
+        return get_bool(body, key)
+    if p.kind == "stop":
+        return get_stop(body, key)
+    if p.kind == "token_ids":
+        if not is_token_list(body[key]):
+            raise ApiError(400, f"{key} must be a list of integer token ids", param=key)
+        return body[key]
+    if p.kind == "schema":
+        if not isinstance(body[key], (str, dict)):
+            raise ApiError(400, f"{key} must be a JSON schema (object or string)", param=key)
+        return body[key]
+    return get_str(body, key)
+
+
+def _params(d: dict[str, Any]) -> SamplingParams:
     try:
-        return SamplingParams.from_dict({**d, "n": n})
+        return SamplingParams(**d)
     except ValueError as e:
         message = str(e)
         for ours, theirs in _RENAMES.items():
             message = message.replace(ours, theirs)
-        raise ApiError(400, message) from None
+        param = next((k for k in SAMPLING_FIELDS if message.startswith(f"{k} ")), None)
+        raise ApiError(400, message, param=param) from None
 
 
 def _common(body: Mapping[str, Any]) -> tuple[int, bool, bool]:
@@ -246,7 +254,7 @@ async def _collect(ctx: ServerContext, plan: Plan, events: Any, tok: ServerToken
                 lp = _completion_logprobs(entries, tops, plan.top_logprobs, tok, 0)
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish_reason(meta),
                             "matched_stop": _matched_stop(meta)})
-    body = {"id": plan.rid, "object": "chat.completion" if plan.kind == "chat" else "text_completion",
+    body: dict[str, Any] = {"id": plan.rid, "object": "chat.completion" if plan.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": ctx.model_name, "choices": choices,
             "usage": _usage(plan, metas)}
     if plan.kind == "chat":
@@ -268,7 +276,8 @@ async def _stream(request: web.Request, ctx: ServerContext, plan: Plan, events: 
     text_offset = [0] * count
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        c = {"id": plan.rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+        c: dict[str, Any] = {"id": plan.rid, "object": "chat.completion.chunk" if chat else "text_completion",
+             "created": created,
              "model": ctx.model_name, "choices": choices}
         if chat:
             c["system_fingerprint"] = None
@@ -291,6 +300,7 @@ async def _stream(request: web.Request, ctx: ServerContext, plan: Plan, events: 
                 await send_event(resp, _constraint_error(plan.constraint_param, ev.error).body())
                 break
             i, out = ev.index, ev.output
+            assert out is not None  # an event holds an output or an error
             lp: Any = None
             if plan.logprobs:
                 if out.finished:
@@ -343,7 +353,10 @@ def _chat_logprobs(entries: Any, tops: Any, k: int, tok: ServerTokenizer) -> lis
 
 
 def _completion_logprobs(entries: Any, tops: Any, k: int, tok: ServerTokenizer, offset: int) -> dict[str, Any]:
-    tokens, token_lps, top_dicts, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    top_dicts: list[dict[str, float | None] | None] = []
+    offsets: list[int] = []
     for j, (lp, tid) in enumerate(entries):
         text = tok.token_text(tid)
         tokens.append(text)
@@ -381,11 +394,11 @@ def plan_completion(body: dict[str, Any], tok: ServerTokenizer, max_top: int, ma
         raise ApiError(400, "echo with logprobs is not available when streaming; drop stream or logprobs",
                        param="echo")
     max_tokens = get_int(body, "max_tokens", None, lo=0)
-    params = _params(_sampling(body, max_tokens, 16), n)
+    params = _params(_sampling(body, n, max_tokens, 16))
     rid = f"cmpl-{uuid.uuid4().hex}"
     specs = [
-        PromptSpec(ids, params, rid if len(prompts) == 1 else f"{rid}-{p}", return_logprob=logprobs is not None,
-                   logprob_start_len=0 if echo and logprobs is not None else -1, top_logprobs_num=logprobs or 0)
+        PromptRequest(rid if len(prompts) == 1 else f"{rid}-{p}", ids, params, return_logprob=logprobs is not None,
+                      logprob_start_len=0 if echo and logprobs is not None else -1, top_logprobs_num=logprobs or 0)
         for p, ids in enumerate(prompts)
     ]
     return Plan(
@@ -424,8 +437,8 @@ def _prompt_text(body: Mapping[str, Any], p: int, ids: list[int], tok: ServerTok
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt[p], str):
-        return prompt[p]
-    return tok.decode(ids)
+        return str(prompt[p])
+    return str(tok.decode(ids))
 
 
 def _constraint_field(body: Mapping[str, Any]) -> str | None:
@@ -450,13 +463,13 @@ def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs
     max_tokens = get_int(body, "max_completion_tokens", None, lo=0)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, lo=0)
-    d = _sampling(body, max_tokens, tok.context_length - len(ids))
+    d = _sampling(body, n, max_tokens, tok.context_length - len(ids))
     _response_format(body, d)
-    params = _params(d, n)
+    params = _params(d)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    spec = PromptSpec(ids, params, rid, return_logprob=logprobs, top_logprobs_num=top if logprobs else 0,
-                      session=_chat_session(body, n))
-    return Plan(kind="chat", rid=rid, jobs=expand_jobs([spec], max_jobs), n=n, stream=stream,
+    spec = PromptRequest(rid, ids, params, return_logprob=logprobs, top_logprobs_num=top if logprobs else 0)
+    jobs = expand_jobs([spec], max_jobs, _chat_session(body, n))
+    return Plan(kind="chat", rid=rid, jobs=jobs, n=n, stream=stream,
                 include_usage=include_usage,
                 prompt_lens=[len(ids)], logprobs=logprobs, top_logprobs=top, constraint_param=_constraint_field(body))
 

@@ -1,6 +1,7 @@
 """The OpenAPI 3.1 description of every HTTP route, served at GET /openapi.json.
 
-Written by hand as plain data so it reads as the API's reference; tests/runtime/server/test_openapi.py
+Written by hand as plain data so it reads as the API's reference (the sampling parameters are generated
+from their declaration in SamplingParams); tests/runtime/server/test_openapi.py
 keeps it true (every registered route is described and every described path is registered, request
 fields match what the handlers accept, real responses validate against the response schemas).
 Limits that are server settings (top logprobs, body size, API key) are filled in per server.
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.runtime.sampling_params import MAX_STOP_STRINGS
+from radixlm.runtime.sampling_params import DEFAULTS, MAX_STOP_STRINGS, PARAMS, Param
 from radixlm.runtime.server.native_api import GENERATE_UNSUPPORTED
-from radixlm.runtime.server.openai_api import IGNORED_FIELDS, MAX_N, UNSUPPORTED_FIELDS
+from radixlm.runtime.server.openai_api import IGNORED_FIELDS, MAX_N, SAMPLING_FIELDS, UNSUPPORTED_FIELDS
 from radixlm.runtime.server.settings import ServerSettings
 
 Schema = dict[str, Any]
@@ -63,41 +64,43 @@ ANY_JSON: Schema = {}
 
 # -- request bodies ---------------------------------------------------------------------------
 def _sampling_params() -> Schema:
-    """radixlm.runtime.sampling_params.SamplingParams, SGLang's native sampling_params."""
-    stop_str = {"type": "string", "minLength": 1}
-    props = {
-        "max_new_tokens": _opt({"type": "integer", "minimum": 0, "default": 128,
-                                "description": "0: prefill only (scores the prompt)"}),
-        "min_new_tokens": _opt({"type": "integer", "minimum": 0, "default": 0,
-                                "description": "at most max_new_tokens"}),
-        "temperature": _opt({"type": "number", "minimum": 0, "default": 1.0, "description": "0: greedy"}),
-        "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0}),
-        "top_k": _opt({"type": "integer", "anyOf": [{"const": -1}, {"minimum": 1}], "default": -1,
-                       "description": "-1: off"}),
-        "min_p": _opt({"type": "number", "minimum": 0, "maximum": 1, "default": 0.0}),
-        "repetition_penalty": _opt({"type": "number", "exclusiveMinimum": 0, "default": 1.0}),
-        "frequency_penalty": _opt({"type": "number", "minimum": -2, "maximum": 2, "default": 0.0}),
-        "presence_penalty": _opt({"type": "number", "minimum": -2, "maximum": 2, "default": 0.0}),
-        "stop": _opt({"anyOf": [stop_str, {"type": "array", "items": stop_str, "maxItems": MAX_STOP_STRINGS}]}),
-        "stop_token_ids": _opt({"anyOf": [TOKEN_ID, {"type": "array", "items": TOKEN_ID}]}),
-        "ignore_eos": _opt(BOOL),
-        "skip_special_tokens": _opt(BOOL),
-        "spaces_between_special_tokens": _opt(BOOL),
-        "no_stop_trim": _opt(BOOL),
-        "n": _opt({"type": "integer", "minimum": 1, "default": 1,
-                   "description": "copies per prompt; each counts against --max-queued-requests"}),
-        "seed": _opt({**INT, "description": "any integer (taken mod 2**64); copies of n > 1 get seed + i"}),
-        "regex": _opt({**STR, "description": "the output matches this regular expression"}),
-        "json_schema": _opt({"type": ["string", "object", "boolean"],
-                             "description": "the output is JSON valid under this schema (object or its text)"}),
-        "ebnf": _opt({**STR, "description": "the output is in this EBNF grammar"}),
-        "choices": _opt({"type": "array", "items": STR, "minItems": 1,
-                         "description": "the output is exactly one of these strings"}),
-        "jump_forward": _opt({**BOOL, "description": "emit the text a grammar forces without a forward pass"}),
-    }
+    """radixlm.runtime.sampling_params.SamplingParams, SGLang's native sampling_params: from its declaration."""
+    props = {name: _opt(sampling_schema(p, DEFAULTS[name])) for name, p in PARAMS.items()}
     return _obj(props, closed=True, description=(
         "Unknown keys are a 400. At most one of regex, json_schema, ebnf, choices. A constraint the "
         "grammar engine cannot compile is a 400 naming it."))
+
+
+def sampling_schema(p: Param, default: Any = None, openai: bool = False) -> Schema:
+    """The JSON schema of one sampling parameter from its declaration; ``openai``: as the OpenAI
+    routes take it (its OpenAI bounds, lists only, no defaults: the routes have their own)."""
+    s: Schema
+    if p.kind in ("int", "float"):
+        bounds: Schema = {}
+        if p.lo is not None:
+            bounds["exclusiveMinimum" if p.lo_open else "minimum"] = p.lo
+        hi = p.openai_hi if openai and p.openai_hi is not None else p.hi
+        if hi is not None:
+            bounds["maximum"] = hi
+        s = {"type": "integer" if p.kind == "int" else "number"}
+        s.update({"anyOf": [{"const": p.off}, bounds]} if p.off is not None else bounds)
+    elif p.kind == "stop":
+        one = {"type": "string", "minLength": 1}
+        many = {"type": "array", "items": one, "maxItems": MAX_STOP_STRINGS}
+        s = {"anyOf": [one, many]}
+    elif p.kind == "token_ids":
+        many = {"type": "array", "items": TOKEN_ID}
+        s = many if openai else {"anyOf": [TOKEN_ID, many]}
+    elif p.kind == "schema":
+        s = {"type": ["string", "object"] if openai else ["string", "object", "boolean"]}
+    elif p.kind == "choices":
+        s = {"type": "array", "items": STR, "minItems": 1}
+    else:
+        s = dict({"bool": BOOL, "seed": INT, "text": STR}[p.kind])
+    if default is not None and not openai and not isinstance(default, tuple):
+        s["default"] = default
+    s["description"] = p.help
+    return s
 
 
 def _session_params() -> Schema:
@@ -130,6 +133,11 @@ def _generate_request(max_top: int, max_jobs: int) -> Schema:
         "return_text_in_logprobs": _opt(BOOL),
         "stream": _opt({**BOOL, "description": "server-sent events, cumulative text per chunk"}),
         "session_params": {"anyOf": [_ref("SessionParams"), {"type": "null"}, {"type": "object", "maxProperties": 0}]},
+        "plain_text_spans": _opt({
+            "type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                       "minItems": 2, "maxItems": 2},
+            "description": "radixlm: sorted [start, end) character ranges of a single text (message contents) "
+                           "tokenized as plain text, never as control tokens (unless --special-tokens-in-content)"}),
         "log_metrics": {**ANY_JSON, "description": "accepted and ignored"},
         **{k: _empty_only(k) for k in GENERATE_UNSUPPORTED},
     }, closed=True, description="Exactly one of text or input_ids. Prompts must be shorter than the context length.")
@@ -138,35 +146,17 @@ def _generate_request(max_top: int, max_jobs: int) -> Schema:
     return s
 
 
-_OPENAI_COMMON = {
-    "model": _opt({**STR, "description": "accepted; this server serves one model"}),
-    "temperature": _opt({"type": "number", "minimum": 0, "maximum": 2}),
-    "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-    "n": _opt({"type": "integer", "minimum": 1, "maximum": MAX_N}),
-    "stream": _opt(BOOL),
-    "stream_options": _opt(_obj({"include_usage": _opt(BOOL), "continuous_usage_stats": _opt(BOOL)}, closed=True,
-                                description="only with stream: true")),
-    "stop": _opt({"anyOf": [{"type": "string", "minLength": 1},
-                            {"type": "array", "items": {"type": "string", "minLength": 1},
-                             "maxItems": MAX_STOP_STRINGS}]}),
-    "presence_penalty": _opt({"type": "number", "minimum": -2, "maximum": 2}),
-    "frequency_penalty": _opt({"type": "number", "minimum": -2, "maximum": 2}),
-    "seed": _opt(INT),
-    "max_tokens": _opt({"type": "integer", "minimum": 0}),
-    # SGLang / vLLM extensions (the openai client sends them in extra_body)
-    "top_k": _opt({"type": "integer", "anyOf": [{"const": -1}, {"minimum": 1}]}),
-    "min_p": _opt({"type": "number", "minimum": 0, "maximum": 1}),
-    "repetition_penalty": _opt({"type": "number", "exclusiveMinimum": 0}),
-    "min_tokens": _opt({"type": "integer", "minimum": 0}),
-    "ignore_eos": _opt(BOOL),
-    "skip_special_tokens": _opt(BOOL),
-    "spaces_between_special_tokens": _opt(BOOL),
-    "stop_token_ids": _opt({"type": "array", "items": TOKEN_ID}),
-    "no_stop_trim": _opt(BOOL),
-    "regex": _opt(STR),
-    "json_schema": _opt({"type": ["string", "object"]}),
-    "ebnf": _opt(STR),
-}
+def _openai_common() -> dict[str, Schema]:
+    sampling = {theirs: _opt(sampling_schema(PARAMS[name], openai=True)) for theirs, name in SAMPLING_FIELDS.items()}
+    sampling["n"]["anyOf"][0]["maximum"] = MAX_N
+    return {
+        "model": _opt({**STR, "description": "accepted; this server serves one model"}),
+        "stream": _opt(BOOL),
+        "stream_options": _opt(_obj({"include_usage": _opt(BOOL), "continuous_usage_stats": _opt(BOOL)},
+                                    closed=True, description="only with stream: true")),
+        # the sampling parameters by their OpenAI names (SGLang / vLLM extensions too: extra_body)
+        **sampling,
+    }
 
 
 def _openai_extras() -> dict[str, Schema]:
@@ -179,7 +169,7 @@ def _completion_request(max_top: int) -> Schema:
                         {"type": "array", "items": TOKEN_IDS, "minItems": 1}],
               "description": "a string, a list of strings, token ids, or a list of token-id lists"}
     return _obj({
-        **_OPENAI_COMMON,
+        **_openai_common(),
         "prompt": prompt,
         "echo": _opt(BOOL),
         "logprobs": _opt({"type": "integer", "minimum": 0, "maximum": max_top}),
@@ -200,7 +190,7 @@ def _chat_request(max_top: int) -> Schema:
     response_format = _obj({"type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": schema_spec},
                            required=("type",), description="not together with regex / json_schema / ebnf")
     return _obj({
-        **_OPENAI_COMMON,
+        **_openai_common(),
         "messages": {"type": "array", "items": message, "minItems": 1},
         "max_completion_tokens": _opt({"type": "integer", "minimum": 0}),
         "logprobs": _opt(BOOL),
@@ -349,7 +339,7 @@ def _op(summary: str, ok: Schema | None, errors: tuple[str, ...], body: Schema |
     op: dict[str, Any] = {"summary": summary, "tags": [tag]}
     if body is not None:
         op["requestBody"] = {"required": body_required, "content": _json(body)}
-    content = ok_content if ok_content is not None else _json(ok)
+    content = ok_content if ok_content is not None else _json(ok if ok is not None else ANY_JSON)
     op["responses"] = {"200": {"description": "success", "content": content}}
     codes = set(errors) | ({"413"} if body is not None else set()) | (set() if open_route else {"401"})
     for code in sorted(codes):
@@ -433,7 +423,7 @@ def _paths() -> dict[str, Any]:
 def openapi_spec(settings: ServerSettings) -> dict[str, Any]:
     """The description of a server run with ``settings`` (its limits filled in)."""
     max_top = settings.max_top_logprobs
-    auth = [{"bearerAuth": []}] if settings.api_key else [{"bearerAuth": []}, {}]
+    auth: list[dict[str, list[str]]] = [{"bearerAuth": []}] if settings.api_key else [{"bearerAuth": []}, {}]
     error = {"description": "error", "content": _json(_ref("Error"))}
     return {
         "openapi": "3.1.0",

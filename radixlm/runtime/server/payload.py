@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-from typing import Any
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from radixlm.runtime.server.context import CONTEXT
 from radixlm.runtime.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from radixlm.runtime.server.dispatcher import Job
+
+_PARSE_INLINE_BYTES = 256 * 1024
+_INT_LIMIT = 2**63
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]|\\u[dD][c-fC-F]")
 
 
 def dumps(obj: Any) -> str:
@@ -28,26 +40,79 @@ def finite_logprob(x: float | None) -> float | None:
 
 
 async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 past max_bytes, 400 for anything that is not an object."""
+    """The body as a JSON object; 413 past max_bytes, 408 when it does not arrive within the
+    server's body_timeout, 400 for anything that is not an object of valid values (see parse_body)."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large(max_bytes)
+    timeout = request.app[CONTEXT].settings.body_timeout
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise too_large(max_bytes) from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)",
+                       code="body_timeout") from None
+    if len(raw) > _PARSE_INLINE_BYTES:  # big bodies parse off the event loop
+        return await asyncio.to_thread(parse_body, raw)
+    return parse_body(raw)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object whose every value the runtime can hold: strings are valid
+    Unicode (no lone surrogates), integers fit 64 bits, numbers are finite. 400s name the field."""
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError as e:  # an integer literal past Python's digit limit, NaN or Infinity
+        raise ApiError(400, f"the request body holds a number JSON cannot carry here: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_json_kind(body)}")
+    check_values(body, maybe_surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
+
+
+def check_values(body: dict[str, Any], maybe_surrogates: bool = True) -> None:
+    """Walk a parsed body (iteratively) and refuse the first value the runtime cannot hold."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if maybe_surrogates and _SURROGATE.search(v):
+                raise _bad_value(path, "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without "
+                                       "its pair); send valid Unicode text")
+        elif isinstance(v, bool):
+            continue
+        elif isinstance(v, int):
+            if not -_INT_LIMIT <= v < _INT_LIMIT:
+                raise _bad_value(path, "is an integer outside the 64-bit range")
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise _bad_value(path, "is a number outside the range of a double")
+        elif isinstance(v, dict):
+            for key, item in v.items():
+                if maybe_surrogates and _SURROGATE.search(key):
+                    raise _bad_value(path, "has a key that holds a lone UTF-16 surrogate; send valid Unicode text")
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+
+
+def _bad_value(path: str, what: str) -> ApiError:
+    name = path or "the request body"
+    shown = name if len(name) <= 80 else name[:77] + "..."
+    return ApiError(400, f"{shown} {what}", param=shown if path else None)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def too_large(max_bytes: int) -> ApiError:
@@ -64,3 +129,35 @@ def _json_kind(x: Any) -> str:
     if isinstance(x, (int, float)):
         return "a number"
     return "null"
+
+
+# What one output token costs in a response, roughly (JSON text): its text and id; each logprob
+# entry (the token's own, and each top alternative) as an OpenAI chat entry is about 80 bytes.
+BYTES_PER_TOKEN = 16
+BYTES_PER_LOGPROB = 80
+
+
+def response_cost(jobs: Sequence[Job]) -> int:
+    """An upper estimate of the bytes a response to ``jobs`` can take: every job's max_new_tokens
+    (and its prompt's logprobs when asked) times what a token costs with its logprobs. (A native
+    stream resends all text so far in each chunk; what it sends is metered as it goes: sse.py.)"""
+    total = 0
+    for job in jobs:
+        req = job.request
+        per_token = BYTES_PER_TOKEN
+        if req.return_logprob:
+            per_token += BYTES_PER_LOGPROB * (1 + req.top_logprobs_num)
+        prompt = 0
+        if req.return_logprob and req.logprob_start_len >= 0:
+            prompt = len(req.prompt_ids) - req.logprob_start_len
+        total += req.params.max_new_tokens * per_token + prompt * (BYTES_PER_TOKEN + BYTES_PER_LOGPROB)
+    return total
+
+
+def check_response_cost(jobs: Sequence[Job], limit: int) -> None:
+    """400 before anything runs when a response could cost more than ``limit`` bytes."""
+    cost = response_cost(jobs)
+    if cost > limit:
+        raise ApiError(400, f"this request's response could take about {cost:,} bytes, more than the server's "
+                            f"limit of {limit:,} (--max-response-bytes); lower max_new_tokens / max_tokens, n, "
+                            "or top_logprobs")

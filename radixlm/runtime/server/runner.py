@@ -5,16 +5,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from http import HTTPStatus
+from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.server.app import create_app
 from radixlm.runtime.server.context import Phase, ServerContext
+from radixlm.runtime.server.errors import error_body
+from radixlm.runtime.server.payload import json_response
 from radixlm.runtime.server.settings import ServerSettings
 
 log = logging.getLogger("radixlm.server")
 HANDLER_SHUTDOWN_TIMEOUT = 5.0  # after the engine is closed, for handlers to write their last bytes
+KEEPALIVE_TIMEOUT = 75.0  # seconds an idle kept-alive connection stays open (aiohttp's default is an hour)
 
 
 async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
@@ -27,14 +34,14 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None,
                            shutdown_timeout=HANDLER_SHUTDOWN_TIMEOUT)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
     try:
-        await site.start()
+        listener = await _listen(runner, settings)
     except OSError as e:
         log.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
         await runner.cleanup()
         return 1
-    log.info("listening on http://%s:%d; loading the model", settings.host, site.port)
+    port = listener.sockets[0].getsockname()[1] if listener.sockets else settings.port
+    log.info("listening on http://%s:%d; loading the model", settings.host, port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -51,7 +58,7 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
         else:
             info = ctx.info
             log.info("ready: %s (context %s, %s KV slots) on http://%s:%d", info["model_name"],
-                     info["context_length"], info["max_total_tokens"], settings.host, site.port)
+                     info["context_length"], info["max_total_tokens"], settings.host, port)
             await stopping
     else:
         starting.cancel()
@@ -59,7 +66,7 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     stopping.cancel()
 
     # Shut down: stop listening, let in-flight requests finish, then abort the rest.
-    await site.stop()
+    listener.close()
     if ctx.phase is Phase.READY:
         log.info("shutting down: %d requests in flight get %.0f s to finish (signal again to abort them now)",
                  ctx.num_busy, settings.shutdown_grace)
@@ -78,3 +85,73 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
         loop.remove_signal_handler(sig)
     log.info("stopped")
     return code
+
+
+async def _listen(runner: web.AppRunner, settings: ServerSettings) -> asyncio.Server:
+    """Listen with connections served by `_Protocol` (the app runner's server still tracks them,
+    so runner.cleanup() closes them as it would a TCPSite's)."""
+    loop = asyncio.get_running_loop()
+    server = runner.server
+    assert server is not None
+
+    def protocol() -> _Protocol:
+        return _Protocol(server, loop=loop, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT,
+                         header_timeout=settings.header_timeout)
+
+    return await loop.create_server(protocol, settings.host, settings.port, reuse_address=True)
+
+
+class _Protocol(RequestHandler):
+    """aiohttp's connection handler with a deadline for request headers (slowloris: a client that
+    sends its headers a byte at a time is closed after header_timeout seconds) and errors of the
+    HTTP parser itself (malformed or oversized request lines and headers) answered as JSON."""
+
+    def __init__(self, manager: web.Server, *, loop: asyncio.AbstractEventLoop, header_timeout: float,
+                 **kwargs: Any) -> None:
+        super().__init__(manager, loop=loop, **kwargs)
+        self._header_timeout = header_timeout
+        self._header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        count = self._request_count
+        super().data_received(data)
+        if self._request_count != count:
+            self._disarm()  # a whole request head arrived
+        elif data and self._header_deadline is None and self._current_request is None:
+            self._arm()  # the first bytes of the next request on a kept-alive connection
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._header_deadline = self._loop.call_later(self._header_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _expire(self) -> None:
+        self._header_deadline = None
+        if self._current_request is None:
+            log.info("closing a connection that sent no complete request head within %g s (--header-timeout)",
+                     self._header_timeout)
+            self.force_close()
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response has started: no error response can follow")
+        log.debug("HTTP error %d from %s: %s", status, request.remote, message or exc)
+        if status < 500:
+            text = f"malformed HTTP request: {message or HTTPStatus(status).phrase}"
+        else:
+            text = "internal server error"
+        resp = json_response(error_body(status, text), status)
+        resp.force_close()
+        return resp

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -21,6 +22,12 @@ class ServerSettings:
     stream_write_timeout: float = 30.0  # seconds a stream may wait for its client to read; then aborted
     max_pending_outputs: int = 4096  # engine outputs one request may have waiting for its handler; then aborted
     debug_routes: bool = False  # serve GET /debug/check (walks the radix cache in the engine loop)
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's headers; then closed
+    body_timeout: float = 60.0  # seconds a handler waits for a request's body; then 408
+    max_response_bytes: int = 256 * 1024 * 1024  # what one response may cost at most (estimated up front): 400
+    max_sessions: int = 1024  # open sessions at most; /open_session past it: 429
+    max_session_ttl: float = 86400.0  # the largest ttl /open_session accepts, in seconds
+    special_tokens_in_content: bool = False  # true: special-token text in chat content becomes control tokens
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -39,5 +46,37 @@ class ServerSettings:
             raise ValueError(f"stream_write_timeout must be > 0 seconds, got {self.stream_write_timeout}")
         if self.max_pending_outputs < 1:
             raise ValueError(f"max_pending_outputs must be >= 1, got {self.max_pending_outputs}")
+        for name in ("header_timeout", "body_timeout", "max_session_ttl"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_response_bytes < 1024:
+            raise ValueError(f"max_response_bytes must be >= 1024, got {self.max_response_bytes}")
+        if self.max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0, got {self.max_sessions}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.api_key is not None and (self.api_key != self.api_key.strip() or not self.api_key.isprintable()
+                                         or not self.api_key.isascii()):
+            raise ValueError("api_key must be printable ASCII with no leading or trailing whitespace")
+
+
+API_KEY_ENV = "RADIXLM_API_KEY"
+
+
+def resolve_api_key(flag: str | None, path: str | None, environ: Mapping[str, str]) -> str | None:
+    """The API key from --api-key, else from --api-key-file (its first line; a flag's value is
+    visible in `ps`, a file's is not), else from $RADIXLM_API_KEY; None when none is given."""
+    if flag is not None and path is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the API key file {path}: {e}") from None
+        if not key:
+            raise ValueError(f"the API key file {path} is empty")
+        return key
+    if flag is not None:
+        return flag
+    return environ.get(API_KEY_ENV) or None

@@ -31,19 +31,28 @@ class ClientTooSlow(ClientGone):
     """The client did not read for stream_write_timeout seconds; the connection will be closed."""
 
 
-class EventStreamResponse(web.StreamResponse):
-    """A streaming response whose writes give up after `write_timeout` s without progress."""
+class StreamTooLarge(Exception):
+    """The stream sent more than max_response_bytes (a native cumulative stream resends all text
+    so far in each chunk); it ends with an error event."""
 
-    def __init__(self, request: web.Request, write_timeout: float) -> None:
+
+class EventStreamResponse(web.StreamResponse):
+    """A streaming response whose writes give up after `write_timeout` s without progress, and
+    that stops after `max_bytes` bytes."""
+
+    def __init__(self, request: web.Request, write_timeout: float, max_bytes: int | None = None) -> None:
         super().__init__(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8",
                                               "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._request = request
         self._write_timeout = write_timeout
         self.stalled = False
+        self.max_bytes = max_bytes
+        self.sent = 0
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.stalled:
             raise ClientTooSlow("the client stopped reading")
+        self.sent += len(data)
         try:
             async with asyncio.timeout(self._write_timeout):
                 await super().write(data)
@@ -68,7 +77,8 @@ class EventStreamResponse(web.StreamResponse):
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:
-    resp = EventStreamResponse(request, request.app[CONTEXT].settings.stream_write_timeout)
+    settings = request.app[CONTEXT].settings
+    resp = EventStreamResponse(request, settings.stream_write_timeout, settings.max_response_bytes)
     await resp.prepare(request)
     return resp
 
@@ -87,22 +97,33 @@ async def event_stream(request: web.Request) -> AsyncIterator[web.StreamResponse
         request.app[CONTEXT].metrics.slow_client_aborts.labels("write_timeout").inc()
     except ClientGone:
         pass
-    except Exception as e:  # noqa: BLE001 - headers are sent: the error can only go in the stream
+    except StreamTooLarge as e:  # the handler ends (its engine requests are aborted); the client is told why
+        with contextlib.suppress(ClientGone):
+            await send_event(resp, error_body(400, str(e)), metered=False)
+            await send_done(resp)
+    except Exception as e:
         log.exception("stream failed")
         with contextlib.suppress(ClientGone):
             await send_event(resp, error_body(500, f"internal server error: {type(e).__name__}: {e}"))
 
 
-async def send_event(resp: web.StreamResponse, obj: Any) -> None:
-    await _write(resp, f"data: {dumps(obj)}\n\n")
+async def send_event(resp: web.StreamResponse, obj: Any, metered: bool = True) -> None:
+    await _write(resp, f"data: {dumps(obj)}\n\n", metered)
 
 
 async def send_done(resp: web.StreamResponse) -> None:
-    await _write(resp, "data: [DONE]\n\n")
+    await _write(resp, "data: [DONE]\n\n", metered=False)
 
 
-async def _write(resp: web.StreamResponse, text: str) -> None:
+async def _write(resp: web.StreamResponse, text: str, metered: bool = True) -> None:
+    data = text.encode("utf-8")
+    if metered and isinstance(resp, EventStreamResponse) and resp.max_bytes is not None \
+            and resp.sent + len(data) > resp.max_bytes:
+        raise StreamTooLarge(f"the stream reached the server's limit of {resp.max_bytes:,} bytes per response "
+                             "(--max-response-bytes) and was ended; a native /generate stream resends all text "
+                             "so far in each chunk: for long outputs stream from /v1/completions, which sends "
+                             "only what is new")
     try:
-        await resp.write(text.encode("utf-8"))
+        await resp.write(data)
     except ConnectionError as e:  # reset by peer, or "Cannot write to closing transport"
         raise ClientGone(str(e)) from None

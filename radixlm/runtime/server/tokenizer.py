@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from radixlm.runtime.chat_template import check_plain_spans, encode_with_plain_spans, from_tokenizer
 from radixlm.runtime.server.errors import ApiError
 
 _TOKEN_TEXT_CACHE = 65536
+# Stands in for a message's content while the chat template renders (then split out again).
+_MARK_PREFIX = "\x00radixlm-content-"
+_MARK = _MARK_PREFIX + "{}\x00"
+_MARK_SPLIT = re.compile("\x00radixlm-content-(\\d+)\x00")
 
 
 class ServerTokenizer:
@@ -19,6 +25,14 @@ class ServerTokenizer:
         self.vocab_size = vocab_size
         self._texts: dict[int, str] = {}
         self._markers: dict[str, Any] | None = None
+        # Text longer than this cannot fit the context (no token spells more characters than the
+        # longest vocabulary entry): refused before it is tokenized.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(tokenizer, "get_vocab") else 64
+        self.max_text_chars = context_length * max(longest, 1)
+        self.special_in_content = False  # --special-tokens-in-content: the old behaviour (role injection)
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special_texts = tuple(sorted({t.content for t in decoder.values() if getattr(t, "special", False)}
+                                          | set(getattr(tokenizer, "all_special_tokens", []) or [])))
 
     @classmethod
     def load(cls, info: Mapping[str, Any]) -> ServerTokenizer:
@@ -28,22 +42,63 @@ class ServerTokenizer:
         return cls(tok, int(info["context_length"]), int(info["vocab_size"]))
 
     # -- prompts ------------------------------------------------------------------------
-    def encode_text(self, text: str, param: str) -> list[int]:
-        ids = list(self.tok.encode(text))
+    def check_text_size(self, text: str, param: str) -> None:
+        """A text too long to fit the context whatever its tokens: 400 before tokenizing it."""
+        if len(text) > self.max_text_chars:
+            raise ApiError(400, f"{param} has {len(text):,} characters, more than any prompt of "
+                                f"{self.context_length} tokens can hold ({self.max_text_chars:,}); shorten it",
+                           param=param)
+
+    def encode_text(self, text: str, param: str, plain_spans: Any = None) -> list[int]:
+        """Tokenize a prompt; ``plain_spans`` ([[start, end], ...] character ranges, radixlm's
+        extension the DSL sends for message contents) are plain text, never control tokens,
+        unless the server keeps special tokens in content (--special-tokens-in-content)."""
+        self.check_text_size(text, param)
+        if plain_spans is None or self.special_in_content:
+            ids = list(self.tok.encode(text))
+        else:
+            try:
+                spans = check_plain_spans(plain_spans, len(text))
+            except ValueError as e:
+                raise ApiError(400, str(e), param="plain_text_spans") from None
+            ids = encode_with_plain_spans(self.tok, text, spans)
         self.check_prompt(ids, param)
         return ids
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], param: str = "messages") -> list[int]:
-        """Apply the model's chat template with the assistant's turn opened, then tokenize."""
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], param: str = "messages",
+                    special_in_content: bool | None = None) -> list[int]:
+        """Apply the model's chat template with the assistant's turn opened, then tokenize.
+
+        Message content is text: special-token text in it (``<|im_end|>``) is tokenized as plain
+        characters, never as the control token (role injection), unless ``special_in_content``."""
         if getattr(self.tok, "chat_template", None) is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions with a prompt", param=param)
+        self.check_text_size("".join(str(m.get("content") or "") for m in messages), param)
+        if special_in_content is None:
+            special_in_content = self.special_in_content
+        marked = {} if special_in_content else self._content_with_special_text(messages)
+        rendered = [dict(m, content=_MARK.format(i)) if i in marked else dict(m) for i, m in enumerate(messages)]
         try:
-            text = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            text = self.tok.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages a template rejects
             raise ApiError(400, f"the chat template rejected the messages: {e}", param=param) from None
-        ids = list(self.tok.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        for j, piece in enumerate(_MARK_SPLIT.split(text)):
+            if j % 2 == 0:  # the template's own text: its special tokens are control tokens
+                ids += self.tok.encode(piece, add_special_tokens=False) if piece else []
+            else:  # a message's content, as plain text
+                ids += self.tok.encode(marked[int(piece)], add_special_tokens=False, split_special_tokens=True)
         self.check_prompt(ids, param)
         return ids
+
+    def _content_with_special_text(self, messages: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+        """Index -> content of the messages whose content holds a special token's text."""
+        out: dict[int, str] = {}
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, str) and (_MARK_PREFIX in content or any(s in content for s in self.special_texts)):
+                out[i] = content
+        return out
 
     def check_prompt(self, ids: Sequence[int], param: str) -> None:
         if not ids:
@@ -62,7 +117,7 @@ class ServerTokenizer:
 
     # -- outputs ------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+        return str(self.tok.decode(list(ids), skip_special_tokens=False))
 
     def token_text(self, token_id: int) -> str:
         """One token on its own, as text (a partial UTF-8 character decodes to U+FFFD)."""
@@ -75,8 +130,9 @@ class ServerTokenizer:
         return text
 
     # -- tokenizer facts (/get_model_info, /tokenize, /detokenize) --------------------------
-    def encode_plain(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` with no prompt checks (/tokenize counts, it does not generate)."""
+    def encode_plain(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of ``text`` with no prompt checks but its size (/tokenize counts, it does not generate)."""
+        self.check_text_size(text, param)
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode_plain(self, ids: Sequence[int], skip_special_tokens: bool, param: str) -> str:
@@ -85,7 +141,7 @@ class ServerTokenizer:
         if bad is not None:
             raise ApiError(400, f"{param} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})",
                            param=param)
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return str(self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     @property
     def chat_template_text(self) -> str | None:
@@ -105,11 +161,9 @@ class ServerTokenizer:
         return out
 
     def role_markers(self) -> dict[str, Any]:
-        """The DSL's role markers (radixlm.lang.frontend.chat_template), probed from this tokenizer
+        """The DSL's role markers (radixlm.runtime.chat_template), probed from this tokenizer
         exactly as the in-process Engine backend does, so RuntimeEndpoint formats roles identically."""
         if self._markers is None:
-            from radixlm.lang.frontend.chat_template import from_tokenizer
-
             self._markers = from_tokenizer(self.tok).to_dict()
         return self._markers
 

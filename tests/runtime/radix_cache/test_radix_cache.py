@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from radixlm.runtime.radix_cache import MatchResult, RadixCache, SlotAllocator
+from radixlm.runtime.radix_cache import IntegrityError, MatchResult, RadixCache, SlotAllocator
 
 
 def make(num_slots=64, page_size=1):
@@ -117,7 +117,7 @@ def test_lock_protects_from_eviction():
     c.check_integrity()
 
 
-def test_lock_counts_nest_and_unlock_below_zero_asserts():
+def test_lock_counts_nest_and_unlock_below_zero_raises():
     a, c = make()
     put(a, c, [1, 2, 3])
     r = c.match_prefix([1, 2, 3])
@@ -126,7 +126,7 @@ def test_lock_counts_nest_and_unlock_below_zero_asserts():
     c.unlock(r.node)
     assert c.evict(100) == 0
     c.unlock(r.node)
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         c.unlock(r.node)
     c.check_integrity()
     assert c.evict(100) == 3
@@ -208,7 +208,7 @@ def test_evicted_node_handle_is_rejected():
     put(a, c, [1, 2])
     r = c.match_prefix([1, 2])
     c.evict(2)
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         c.lock(r.node)
 
 
@@ -253,14 +253,14 @@ def test_reset_frees_everything():
     put(a, c, [1, 5])
     r = c.match_prefix([1, 2, 3])
     c.lock(r.node)
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         c.reset()
     c.unlock(r.node)
     c.reset()
     assert c.total_size() == c.evictable_size() == c.protected_size() == 0
     assert a.num_free == 64
     assert c.match_prefix([1, 2, 3]).slots == []
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         c.lock(r.node)  # handles from before the reset are dead
     c.check_integrity()
     put(a, c, [1, 2])
@@ -273,12 +273,12 @@ def test_check_integrity_catches_corruption():
     put(a, c, [1, 2, 4])
     c.check_integrity()
     c._evictable += 1
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         c.check_integrity()
     c._evictable -= 1
     leaf = c.match_prefix([1, 2, 3]).node
     a.free(leaf.slots)  # freed behind the tree's back
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         c.check_integrity()
     a2, c2 = make()
     put(a2, c2, [1, 2, 3])
@@ -286,13 +286,13 @@ def test_check_integrity_catches_corruption():
     n3 = c2.match_prefix([1, 2, 3]).node
     n4 = c2.match_prefix([1, 2, 4]).node
     n4.slots[0] = n3.slots[0]  # one slot in two nodes
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         c2.check_integrity()
     a3, c3 = make()
     put(a3, c3, [1, 2, 3])
     c3.match_prefix([1]).node.lock_ref = 5  # parent fine; now make a child exceed it
     c3._root.children[1].children[2].lock_ref = 7
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         c3.check_integrity()
 
 

@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.intake import Submission
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.dispatcher import Dispatcher, Job
 from radixlm.runtime.server.engine_client import EngineClient, EngineDeadError
-from radixlm.runtime.server.messages import AddRequest
 from radixlm.runtime.server.metrics import Metrics
 
 pytestmark = pytest.mark.slow
@@ -34,8 +34,8 @@ async def _until(what: str, cond: Callable[[], Awaitable[bool]]) -> None:
 
 
 def _job(index: int, rid: str, max_new_tokens: int) -> Job:
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True).to_dict()
-    return Job(index, AddRequest(rid, PROMPT, params), rid)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    return Job(index, Submission(rid, PROMPT, params), rid)
 
 
 def test_unread_outputs_abort_only_their_request():
@@ -73,11 +73,11 @@ def test_exception_escaping_the_engine_loop_fails_requests_with_its_message():
         await client.start()
         try:
             pid = client.pid
-            stream = client.generate(AddRequest("long", PROMPT, _job(0, "long", 2000).request.params))
+            stream = client.generate(Submission("long", PROMPT, _job(0, "long", 2000).request.params))
             first = await stream.__anext__()
             assert not first.finished
             # A malformed message (prompt_ids None) makes the engine raise TypeError outside any request.
-            bad = client.generate(AddRequest("bad", None, _job(0, "bad", 1).request.params))  # type: ignore[arg-type]
+            bad = client.generate(Submission("bad", None, _job(0, "bad", 1).request.params))  # type: ignore[arg-type]
             with pytest.raises(EngineDeadError) as bad_err:
                 await bad.__anext__()
             with pytest.raises(EngineDeadError) as long_err:

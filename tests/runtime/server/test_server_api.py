@@ -49,7 +49,7 @@ def test_info_routes(server: Server):
 
 
 def test_model_info_tokenizer_facts(server: Server, smol_tokenizer):
-    from radixlm.lang.frontend.chat_template import from_tokenizer
+    from radixlm.runtime.chat_template import from_tokenizer
 
     info = server.get("/get_model_info")[1]
     assert info["chat_template_jinja"] == smol_tokenizer.chat_template
@@ -405,7 +405,7 @@ BAD_INPUTS = [
      "sampling_params"),
     ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": "9"}}, 400, "max_new_tokens must be an int",
      "sampling_params"),
-    ("/generate", {"text": "a", "sampling_params": {"temperature": -0.5}}, 400, "temperature must be >= 0",
+    ("/generate", {"text": "a", "sampling_params": {"temperature": -0.5}}, 400, "temperature must be in [0, 100]",
      "sampling_params"),
     ("/generate", {"text": "a", "sampling_params": {"top_p": 0}}, 400, "top_p must be in (0, 1]", "sampling_params"),
     ("/generate", {"text": "a", "sampling_params": {"regex": "a("}}, 400, "cannot compile regex", "sampling_params"),

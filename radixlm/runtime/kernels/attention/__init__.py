@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from radixlm.runtime.kernels.attention.base import AttentionBackend, AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
-from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.kernels.kv_pool import KVPool
 
 
 def _triton(pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:

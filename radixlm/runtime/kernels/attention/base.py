@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.kernels.kv_pool import KVPool
 
 
 @dataclass(frozen=True)

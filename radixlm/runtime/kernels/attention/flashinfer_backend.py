@@ -27,16 +27,19 @@ flashinfer's kernels take fp16/bf16 only, so a float32 pool is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from radixlm.runtime.kernels.attention.base import AttentionMeta
-from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.kernels.kv_pool import KVPool
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-KV scratch; shared by all wrappers
 DECODE_KERNEL_GROUPS = (1, 2, 3, 4)  # groups run on the CUDA-core decode kernel; others on tensor cores
 
 
-def _import_flashinfer():
+def _import_flashinfer() -> Any:
     try:
         import flashinfer
     except ImportError as e:  # not installed, or installed without its dependencies
@@ -51,7 +54,7 @@ def _import_flashinfer():
 class _WrapperSet:
     """One decode and one prefill wrapper, planned together for one forward at a time."""
 
-    def __init__(self, flashinfer, workspace: torch.Tensor, tensor_core_decode: bool) -> None:
+    def __init__(self, flashinfer: Any, workspace: torch.Tensor, tensor_core_decode: bool) -> None:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=tensor_core_decode, backend="fa2")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
@@ -79,7 +82,7 @@ class FlashInferAttention:
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._sets = [_WrapperSet(flashinfer, workspace, group not in DECODE_KERNEL_GROUPS) for _ in range(2)]
         self._turn = 0
-        self._run = None  # the planned wrapper's run, for this forward
+        self._run: Callable[..., Any] | None = None  # the planned wrapper's run, for this forward
         self.out_slots: torch.Tensor | None = None
         self.device = device
 
@@ -117,7 +120,7 @@ class FlashInferAttention:
             wrappers.prefill.plan(qo_indptr_h, kv_indptr_h, kv_indices, last_page_len_h, self.num_heads,
                                   self.kv_heads, self.head_dim, 1, causal=True, **common)
             self._run = wrappers.prefill.run
-        wrappers.planned = torch.cuda.Event()
+        wrappers.planned = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ untyped
         wrappers.planned.record()
         self.out_slots = meta.out_slots
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.runtime.kernels.attention.base import AttentionMeta
-from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.kernels.kv_pool import KVPool
 
 
 class TorchAttention:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from radixlm.runtime.kernels.attention.base import AttentionMeta
-from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.kernels.kv_pool import KVPool
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -53,7 +53,7 @@ def _attend_block(q, K, V, slot_row, offs_n, n_mask, visible, head_off, offs_d, 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, req_to_token, rows, q_starts, q_lens, kv_lens,
+    Q, K, V, Out, req_to_token, rows, q_starts, q_lens, kv_lens,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_rt,
     scale,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -88,8 +88,8 @@ def _extend_kernel(
                                           kv_head * stride_kh, offs_d, d_mask, stride_ks, scale, m_i, l_i, acc,
                                           PRECISION)
         out = acc / l_i[:, None]
-        tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    O, MidO, MidLse, kv_lens, tokens,
+    Out, MidO, MidLse, kv_lens, tokens,
     stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     SPLITS, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -158,7 +158,7 @@ def _decode_merge_kernel(
             acc = acc * alpha + w * o
             total = total * alpha + w
             m = m_new
-    tl.store(O + tok * stride_ot + head * stride_oh + offs_d, (acc / total).to(O.dtype.element_ty), mask=d_mask)
+    tl.store(Out + tok * stride_ot + head * stride_oh + offs_d, (acc / total).to(Out.dtype.element_ty), mask=d_mask)
 
 
 def _pow2(n: int) -> int:
@@ -205,7 +205,7 @@ class TritonAttention:
                 [meta.rows[i] for i in ext], [meta.q_starts[i] for i in ext], [meta.q_lens[i] for i in ext],
                 [meta.kv_lens[i] for i in ext]]
         flat = torch.tensor([x for c in cols for x in c], dtype=torch.int32).to(meta.out_slots.device)
-        parts = flat.split([len(c) for c in cols])
+        parts = torch.split(flat, [len(c) for c in cols])
         self.out_slots, self.req_to_token = meta.out_slots, meta.req_to_token
         self._decode = None
         if dec:

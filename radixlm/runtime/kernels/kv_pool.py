@@ -1,16 +1,44 @@
-"""The KV pool: one K and one V buffer per layer, indexed by token slot."""
+"""The KV pool: one K and one V buffer per layer, indexed by token slot, and its sizing.
+
+It knows a model only by the sizes below (``ModelArch`` has them), so kernels never import the model."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from radixlm.runtime.model.arch import ModelArch
+
+class KVShape(Protocol):
+    """The sizes of a model's K/V cache."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def kv_size(self) -> int: ...
+
+
+class ActivationShape(KVShape, Protocol):
+    """The sizes that bound a forward pass's activations."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def q_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class KVPool:
     """K/V storage for `num_slots` token slots plus slot 0, a padding slot never handed out."""
 
-    def __init__(self, arch: ModelArch, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, arch: KVShape, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
         if num_slots < 1:
             raise ValueError(f"the KV pool needs at least 1 token slot, got {num_slots}")
         shape = (arch.num_layers, num_slots + 1, arch.num_kv_heads, arch.head_dim)
@@ -30,7 +58,7 @@ class KVPool:
         self.num_slots = num_slots
 
     @staticmethod
-    def bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:
+    def bytes_per_token(arch: KVShape, dtype: torch.dtype) -> int:
         return 2 * arch.num_layers * arch.kv_size * torch.empty((), dtype=dtype).element_size()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -44,7 +72,7 @@ class KVPool:
         self.v[layer].index_copy_(0, slots, v)
 
 
-def activation_reserve(arch: ModelArch, dtype: torch.dtype, max_tokens: int, max_logit_rows: int) -> int:
+def activation_reserve(arch: ActivationShape, dtype: torch.dtype, max_tokens: int, max_logit_rows: int) -> int:
     """Bytes a GPU keeps free beside the KV pool: a forward of `max_tokens` tokens (hidden
     states, q/k/v, the MLP's intermediates), fp32 logits and their sampling copies for
     `max_logit_rows` rows, and CUDA graphs; with 50% slack plus 512 MiB for library workspaces."""
@@ -54,7 +82,7 @@ def activation_reserve(arch: ModelArch, dtype: torch.dtype, max_tokens: int, max
     return int(1.5 * (max_tokens * per_token + logits)) + (512 << 20)
 
 
-def pool_slots(arch: ModelArch, dtype: torch.dtype, free_bytes: int, fraction: float, reserve_bytes: int) -> int:
+def pool_slots(arch: KVShape, dtype: torch.dtype, free_bytes: int, fraction: float, reserve_bytes: int) -> int:
     """KV pool size in tokens: `fraction` of the free memory left after the reserve (>= 256)."""
     usable = max(free_bytes - reserve_bytes, 0)
     return max(int(usable * fraction) // KVPool.bytes_per_token(arch, dtype), 256)

@@ -1,0 +1,121 @@
+"""Grammars that can never end are refused when they compile; forced text is bounded (issue 21, bug 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixlm.runtime.config import ConstraintConfig
+from radixlm.runtime.constrained import XGrammarBackend
+from radixlm.runtime.constrained.jump_forward import MAX_JUMP_CHARS, JumpForward
+from radixlm.runtime.constrained.limits import MAX_SHORTEST_TEXT, grammar_bounds
+from radixlm.runtime.constrained.service import GrammarService
+
+SELF_REQUIRED = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+                 "$ref": "#/$defs/n"}
+ARRAY_OF_ITSELF = {"type": "array", "items": {"$ref": "#"}, "minItems": 1}
+ONLY_ITSELF = {"$ref": "#"}
+ENDLESS = [("json_schema", json.dumps(SELF_REQUIRED)), ("json_schema", json.dumps(ARRAY_OF_ITSELF)),
+           ("json_schema", json.dumps(ONLY_ITSELF)), ("ebnf", 'root ::= "a" root')]
+
+
+@pytest.fixture(scope="module")
+def xgr_backend(vocab):
+    return XGrammarBackend(vocab)
+
+
+@pytest.mark.parametrize(("kind", "spec"), ENDLESS)
+def test_grammar_with_no_finite_text_is_refused(xgr_backend, kind, spec):
+    with pytest.raises(ValueError, match="accepts no finite text"):
+        xgr_backend.compile(kind, spec)
+
+
+def test_dead_branch_is_refused(xgr_backend):
+    """A grammar that accepts something, but with a branch that forces text forever once entered."""
+    with pytest.raises(ValueError, match="can never end once entered"):
+        xgr_backend.compile("ebnf", 'root ::= "b" | "a" x\nx ::= "a" x')
+    schema = {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/bad"}],
+              "$defs": {"bad": {"type": "object", "properties": {"x": {"$ref": "#/$defs/bad"}}, "required": ["x"]}}}
+    with pytest.raises(ValueError, match="can never end once entered"):
+        xgr_backend.compile("json_schema", schema)
+
+
+def test_exponentially_long_shortest_text_is_refused(xgr_backend):
+    rules = ["root ::= r0", *(f"r{i} ::= r{i + 1} r{i + 1}" for i in range(40)), 'r40 ::= "ab"']
+    with pytest.raises(ValueError, match=f"longer than {MAX_SHORTEST_TEXT:,} bytes"):
+        xgr_backend.compile("ebnf", "\n".join(rules))
+
+
+def test_optional_recursion_compiles_and_jumps(xgr_backend):
+    g = xgr_backend.compile("json_schema", {"type": "object", "properties": {"c": {"$ref": "#"}}})
+    assert g.jump_safe
+    assert g.new_matcher().forced_text() == "{"
+
+
+def test_user_lookahead_turns_jump_forward_off(xgr_backend):
+    g = xgr_backend.compile("ebnf", 'root ::= "ab" x "d"\nx ::= "c" (= "d")')
+    assert not g.jump_safe
+    assert g.new_matcher().forced_text() == ""
+
+
+def test_unreadable_grammar_turns_jump_forward_off():
+    assert not grammar_bounds("ebnf", '{"rules": [["root", 0, -1]], "grammar_expr_data": [99, 0], '
+                                      '"grammar_expr_indptr": [0], "root_rule_id": 0}').jump_safe
+
+
+def test_service_refusal_names_constrained_decoding(smol_tokenizer, width):
+    service = GrammarService(smol_tokenizer, width, [smol_tokenizer.eos_token_id], ConstraintConfig())
+    try:
+        future = service.submit("json_schema", SELF_REQUIRED)
+        with pytest.raises(ValueError, match="constrained decoding: json_schema accepts no finite text"):
+            future.result(timeout=60)
+    finally:
+        service.shutdown()
+
+
+class _Recorder:
+    """A matcher that records the bound it was asked for and forces a long run of 'a'."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.asked: list[int | None] = []
+
+    def forced_text(self, max_chars=None):
+        self.asked.append(max_chars)
+        return self.inner.forced_text(max_chars)
+
+    def accept(self, t):
+        return self.inner.accept(t)
+
+    def rollback(self, n):
+        self.inner.rollback(n)
+
+
+@pytest.mark.parametrize("limit", [1, 5, 40])
+def test_jump_is_bounded_by_the_limit_in_tokens_and_chars(xgr_backend, vocab, smol_tokenizer, limit):
+    jf = JumpForward(vocab, lambda text: smol_tokenizer.encode(text, add_special_tokens=False))
+    m = _Recorder(xgr_backend.compile("regex", "x{20000}").new_matcher())
+    jump = jf.jump(m, [], 0, limit)
+    assert jump is not None
+    assert len(jump.new_ids) <= limit
+    longest = max(len(b) for b in vocab.decoded)
+    assert m.asked == [min(limit * longest, MAX_JUMP_CHARS)]
+    assert len(jump.text) <= limit * longest
+
+
+def test_jump_with_no_room_asks_for_nothing(xgr_backend, vocab, smol_tokenizer):
+    jf = JumpForward(vocab, lambda text: smol_tokenizer.encode(text, add_special_tokens=False))
+    m = _Recorder(xgr_backend.compile("regex", "x{20000}").new_matcher())
+    assert jf.jump(m, [], 0, 0) is None
+    assert m.asked == []
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+def test_forced_text_takes_a_bound(vocab, backend_name):
+    from radixlm.runtime.constrained import GRAMMAR_BACKENDS
+
+    m = GRAMMAR_BACKENDS[backend_name](vocab).compile("regex", "abcdefgh[0-9]").new_matcher()
+    assert m.forced_text() == "abcdefgh"
+    assert m.forced_text(3) == "abc"
+    assert m.forced_text(0) == ""
