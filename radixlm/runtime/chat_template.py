@@ -76,7 +76,8 @@ FALLBACK = ChatTemplate(
 
 def from_tokenizer(tokenizer: Any) -> ChatTemplate:
     """The template of a Hugging Face tokenizer, or FALLBACK when it has none or it cannot be probed."""
-    fallback = dataclasses.replace(FALLBACK, special_texts=special_texts(tokenizer))
+    specials = special_texts(tokenizer)
+    fallback = dataclasses.replace(FALLBACK, special_texts=specials) if specials else FALLBACK
     if not getattr(tokenizer, "chat_template", None):
         return fallback
     try:

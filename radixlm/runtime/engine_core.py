@@ -3,11 +3,12 @@
 A step has three phases::
 
     run = queued-ahead step  or  schedule() -> run(): forward, grammar masks, sampling
-    queue the next decode step on the device (the overlap schedule), if it may
+    queue the next decode step's forward on the device (the overlap schedule), if it may
     process(run): its tokens to the host -> output processing (text, stops, finishing)
+    a queued step with constrained rows: fill their masks (the forward runs meanwhile), sample
 
 The plain loop and the overlap loop are the same phases; the overlap loop only runs the second
-one. The in-process Engine drives `step()` from its callers; the server from its own process.
+and the fourth. The in-process Engine drives `step()` from its callers; the server from its own process.
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ class StepRun:
     queued_ahead: bool = False  # counted as a step when processed, for the requests still running
 
 
+@dataclass(frozen=True)
+class AheadForward:
+    """A decode step queued ahead whose rows include constrained ones: its forward pass runs on
+    the device while the host processes the step before it, and it samples once that step's
+    tokens have advanced the grammars (`marks`: each request's output length and forced-token
+    count the row was queued for; a request that jumped forward or ended since drops its row)."""
+
+    step: list[Scheduled]
+    reqs: list[EngineRequest]
+    logits: torch.Tensor
+    marks: list[tuple[int, int]]
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         from transformers import AutoTokenizer
@@ -102,6 +116,7 @@ class EngineCore:
         self.requests: dict[str, EngineRequest] = {}
         self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
         self._ahead: StepRun | None = None
+        self._ahead_forward: AheadForward | None = None
         self.ahead_steps = 0  # decode steps queued ahead of the host (the overlap schedule)
         self.steps = 0
 
@@ -219,6 +234,8 @@ class EngineCore:
         if run is not None:
             self._queue_ahead(run)
             outputs += self._process(run)
+        if self._ahead_forward is not None:
+            self._ahead, self._ahead_forward = self._sample_ahead(self._ahead_forward), None
         return outputs + self._ended_elsewhere()
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -273,23 +290,45 @@ class EngineCore:
                 for r in reqs]
         ids = run.tokens if len(live) == len(run.samplers) else run.tokens[self.runner.to_device(live)]
         logits = self.runner.forward(seqs, ids=ids)
-        tokens = sample_tokens(logits, self._sampling_batch(reqs, ahead=True))
         step = [Scheduled(r, q, q.cached_len, True, False) for r, q in zip(reqs, seqs)]
-        self._ahead = StepRun(step, reqs, tokens, self.runner.fetch_ids(tokens), queued_ahead=True)
         self.ahead_steps += 1
+        if any(r.matcher is not None for r in reqs):  # masks need the grammars past this run's tokens
+            marks = [(len(r.output_ids) + 1, r.forced_tokens) for r in reqs]
+            self._ahead_forward = AheadForward(step, reqs, logits, marks)
+            return
+        tokens = sample_tokens(logits, self._sampling_batch(reqs, ahead=True))
+        self._ahead = StepRun(step, reqs, tokens, self.runner.fetch_ids(tokens), queued_ahead=True)
+
+    def _sample_ahead(self, ahead: AheadForward) -> StepRun | None:
+        """Phase 4 of the overlap loop: the grammars have taken the previous run's tokens; fill
+        the queued step's masks while its forward pass runs, then sample. Rows whose request
+        ended or jumped forward meanwhile are dropped (the scheduler gives them a fresh step)."""
+        keep = [i for i, (r, mark) in enumerate(zip(ahead.reqs, ahead.marks))
+                if r.status is Status.RUNNING and (len(r.output_ids), r.forced_tokens) == mark
+                and len(r.slots) == r.fill_len]
+        if not keep:
+            return None
+        reqs = [ahead.reqs[i] for i in keep]
+        with torch.inference_mode():  # the forward's logits are inference tensors; masks write them in place
+            logits = ahead.logits if len(keep) == len(ahead.reqs) else ahead.logits[self.runner.to_device(keep)]
+            ended = tuple(self.output.fail(req, error) for req, error in self.grammar.mask(logits, reqs))
+            tokens = sample_tokens(logits, self._sampling_batch(reqs))
+        step = [ahead.step[i] for i in keep]
+        return StepRun(step, reqs, tokens, self.runner.fetch_ids(tokens), ended=ended, queued_ahead=True)
 
     def _can_look_ahead(self, run: StepRun, reqs: list[EngineRequest]) -> bool:
         """Whether the next step of these requests can be queued before their tokens reach the
         host: all running requests decode in it, nothing waits to be admitted, and each next
-        token needs nothing the host has not sent yet (no penalties over the output, grammar,
-        logprobs or min_new_tokens block) and cannot be the request's last by length."""
+        token needs nothing the host has not sent yet (no penalties over the output, logprobs or
+        min_new_tokens block; a grammar's mask is filled after the host has the tokens, while the
+        queued forward runs) and cannot be the request's last by length."""
         sched = self.scheduler
         if (not self.overlap or not reqs or sched.waiting or self.grammar.compiling
                 or len(reqs) != len(sched.running) or len(run.step) != len(run.samplers)):
             return False
         for req, s in zip(reqs, (s for s in run.step if s.req.status is Status.RUNNING)):
             p = req.params
-            if (s.prefill or len(s.seq.token_ids) != 1 or req.rewrite_row or req.matcher is not None
+            if (s.prefill or len(s.seq.token_ids) != 1 or req.rewrite_row
                     or req.return_logprob or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                     or p.presence_penalty != 0.0 or len(req.output_ids) + 1 < p.min_new_tokens
                     or req.remaining_new_tokens() < 2 or req.fill_len + 2 > self.context_length):

@@ -40,10 +40,18 @@ def apply_bitmask_(
     assert len(rows) == bitmask.shape[0]
     if not rows:
         return
-    allowed = _unpack(bitmask.to(logits.device), vocab_size)
-    idx = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
+    allowed = _unpack(_to_device(bitmask, logits.device), vocab_size)
+    idx = _to_device(torch.tensor(list(rows), dtype=torch.long), logits.device)
     sub = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
     logits.index_copy_(0, idx, sub)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; on CUDA through pinned memory, without waiting for the work
+    already queued there (the forward pass whose logits the masks are for)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> list[int]:
