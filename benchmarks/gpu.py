@@ -124,17 +124,40 @@ PERSON_SCHEMA = {
 JSON_BS, JSON_OUT = (1, 16, 64), 128
 
 
-def structured_tok_s(engine: Engine, bs: int, constrained: bool) -> float:
-    """Output tokens per second of one batched generate: the JSON schema, or free text that
-    runs to max_new_tokens."""
+def structured_tok_s(engine: Engine, bs: int, constrained: bool, jump_forward: bool = True) -> float:
+    """Output tokens per second of one batched generate: the JSON schema (with or without
+    jump-forward), or free text that runs to max_new_tokens."""
     params: dict[str, Any] = {"temperature": 0, "max_new_tokens": JSON_OUT}
-    params.update({"json_schema": json.dumps(PERSON_SCHEMA)} if constrained else {"ignore_eos": True})
+    params.update({"json_schema": json.dumps(PERSON_SCHEMA), "jump_forward": jump_forward} if constrained
+                  else {"ignore_eos": True})
     engine.flush_cache()
     t0 = time.perf_counter()
     res = engine.generate(input_ids=random_prompts(bs, IN_LEN, seed=bs + 7), sampling_params=params)
     elapsed = time.perf_counter() - t0
     res = res if isinstance(res, list) else [res]
     return sum(r["meta_info"]["completion_tokens"] for r in res) / elapsed
+
+
+def structured_profile(engine: Engine) -> None:
+    """json_schema vs free rows, then where a bs64 json_schema generate spends host time."""
+    import cProfile
+    import pstats
+
+    structured_tok_s(engine, 2, True)
+    for bs in JSON_BS:
+        print(f"bs{bs}: free {structured_tok_s(engine, bs, False):.0f} / json_schema "
+              f"{structured_tok_s(engine, bs, True):.0f} / without jump-forward "
+              f"{structured_tok_s(engine, bs, True, False):.0f} out tok/s", flush=True)
+    core = engine.core
+    steps, ahead = core.steps, core.ahead_steps
+    prof = cProfile.Profile()
+    prof.enable()
+    v = structured_tok_s(engine, 64, True)
+    prof.disable()
+    print(f"bs64 json_schema {v:.0f} tok/s; steps {core.steps - steps}, queued ahead {core.ahead_steps - ahead}",
+          flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+    pstats.Stats(prof).sort_stats("cumtime").print_stats(35)
 
 
 def engine_for(tokenizer: str, cache: str) -> Engine:
@@ -248,7 +271,12 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/gpu.json")
     ap.add_argument("--profile", action="store_true", help="also print the top GPU kernels")
     ap.add_argument("--host-profile", action="store_true", help="also print the top host functions of bs64 decode")
+    ap.add_argument("--structured-only", action="store_true",
+                    help="only the json_schema rows, with a host profile of bs64 and its step counts")
     args = ap.parse_args()
+    if args.structured_only:
+        structured_profile(engine_for(args.tokenizer, "radix"))
+        return
     import transformers
     import triton
 
@@ -286,9 +314,12 @@ def main() -> None:
         log(f"prefill {n} tok/s", f"{v:.0f}")
     structured_tok_s(engine, 2, True)  # the grammar compiler's first use
     res["structured_tok_s"] = {bs: {"free": structured_tok_s(engine, bs, False),
-                                    "json_schema": structured_tok_s(engine, bs, True)} for bs in JSON_BS}
-    log("free / json_schema out tok/s per bs", {bs: f"{v['free']:.0f} / {v['json_schema']:.0f}"
-                                                 for bs, v in res["structured_tok_s"].items()})
+                                    "json_schema": structured_tok_s(engine, bs, True),
+                                    "json_schema_no_jump": structured_tok_s(engine, bs, True, False)}
+                               for bs in JSON_BS}
+    log("free / json_schema / no jump-forward out tok/s per bs",
+        {bs: f"{v['free']:.0f} / {v['json_schema']:.0f} / {v['json_schema_no_jump']:.0f}"
+         for bs, v in res["structured_tok_s"].items()})
     res["shared_prefix_s"] = {"radix": shared_prefix_run(engine)}
     log("shared prefix, radix s", f"{res['shared_prefix_s']['radix']:.2f}")
     if args.profile:
@@ -354,7 +385,8 @@ def print_table(r: dict[str, Any]) -> None:
                  f"{sp['radix']:>10.2f} s (radix) {sp['none']:.2f} s (no cache): {sp['none'] / sp['radix']:.1f}x")
     for bs, v in r.get("structured_tok_s", {}).items():
         lines.append(f"{f'bs{bs} json_schema / free out tok/s':<34}{v['json_schema']:>12.0f}{v['free']:>12.0f}"
-                     f"{v['json_schema'] / v['free']:>8.2f}x")
+                     f"{v['json_schema'] / v['free']:>8.2f}x  (no jump-forward {v['json_schema_no_jump']:.0f}, "
+                     f"{v['json_schema_no_jump'] / v['free']:.2f}x)")
     lines.append(f"(HF decodes {HF_OUT} tokens per request; whole run {r['wall_s']:.0f} s)")
     print("\n".join(lines), flush=True)
 

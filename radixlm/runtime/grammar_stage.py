@@ -18,7 +18,7 @@ import torch
 
 from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
-from radixlm.runtime.constrained.grammar import Grammar
+from radixlm.runtime.constrained.grammar import Grammar, accept_tokens, fill_masks
 from radixlm.runtime.constrained.jump_forward import Jump
 from radixlm.runtime.constrained.service import ERROR_PREFIX, GrammarService
 from radixlm.runtime.request import EngineRequest
@@ -48,6 +48,9 @@ class GrammarStage:
         self._next_rows: dict[str, tuple[torch.Tensor, bool]] = {}
         self.seconds = 0.0  # masks, accepts and jumps, for the per-token grammar cost
         self.tokens = 0
+        # the masks of a step, reused: two, so a step never overwrites a copy still in flight
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
 
     @property
     def service(self) -> GrammarService:
@@ -103,37 +106,46 @@ class GrammarStage:
         if not rows:
             return []
         t0 = time.perf_counter()
-        bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        masked: list[int] = []
-        failed: list[tuple[EngineRequest, str]] = []
+        bitmask = self._bitmask(len(rows), pinned=logits.device.type == "cuda")
+        masked = [False] * len(rows)
+        to_fill: list[int] = []
         for j, i in enumerate(rows):
-            req = reqs[i]
-            kept = self._next_rows.pop(req.rid, None)
-            try:
-                if kept is not None:
-                    bitmask[j] = kept[0]
-                    is_masked = kept[1]
-                else:
-                    assert req.matcher is not None
-                    is_masked = req.matcher.fill_mask(bitmask[j])
-            except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
-                failed.append((req, self.engine_error("masking", e)))
-                continue
-            if is_masked:
-                masked.append(j)
-        if masked:
-            apply_bitmask_(logits, bitmask[masked], [rows[j] for j in masked])
+            kept = self._next_rows.pop(reqs[i].rid, None)
+            if kept is None:
+                to_fill.append(j)
+            else:
+                bitmask[j], masked[j] = kept
+        matchers = [reqs[rows[j]].matcher for j in to_fill]
+        failed: list[tuple[EngineRequest, str]] = []
+        for j, got in zip(to_fill, fill_masks(matchers, bitmask, to_fill)):  # type: ignore[arg-type]
+            if isinstance(got, Exception):
+                failed.append((reqs[rows[j]], self.engine_error("masking", got)))
+            else:
+                masked[j] = got
+        for j, m in enumerate(masked):
+            if not m:  # every token allowed (or the row failed: its request ends, the row is moot)
+                bitmask[j] = -1
+        if any(masked):
+            apply_bitmask_(logits, bitmask, rows)
         self.seconds += time.perf_counter() - t0
         return failed
 
-    def accept(self, req: EngineRequest, token: int) -> bool:
-        """Advance req's matcher over a sampled token; False when the grammar refuses it."""
-        assert req.matcher is not None
+    def _bitmask(self, n: int, pinned: bool) -> torch.Tensor:
+        """n rows of a reused mask buffer (the two buffers take turns)."""
+        self._turn ^= 1
+        if len(self._buffers) < 2 or self._buffers[self._turn].shape[0] < n:
+            size = max(n, 8, *(b.shape[0] for b in self._buffers))
+            self._buffers = [allocate_bitmask(size, self.vocab_size, pinned) for _ in range(2)]
+        return self._buffers[self._turn][:n]
+
+    def accept_all(self, reqs: list[EngineRequest], tokens: list[int]) -> list[bool | Exception]:
+        """Advance each request's matcher over its token, a backend's matchers at once; entry i:
+        whether the grammar took it, or the grammar engine's exception."""
         t0 = time.perf_counter()
-        ok = req.matcher.accept(token)
+        out = accept_tokens([r.matcher for r in reqs], tokens)  # type: ignore[misc]
         self.seconds += time.perf_counter() - t0
-        self.tokens += 1
-        return ok
+        self.tokens += len(reqs)
+        return out
 
     def after_token(self, req: EngineRequest, limit: int, floor: int) -> GrammarStep:
         """After an accepted token: the jump over the text the grammar now forces (the output

@@ -68,13 +68,16 @@ class OutputProcessor:
         """Each request's sampled token: grammar, text, stops, finishing."""
         now = time.perf_counter()
         results = []
+        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        accepted = dict(zip(constrained, self.grammar.accept_all([reqs[i] for i in constrained],
+                                                                 [tokens[i] for i in constrained])))
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.output_ids.append(tok)
-            if req.matcher is not None:
-                error = self._accept(req, tok)
-                if error is not None:
-                    results.append(self.fail(req, error))
-                    continue
+            took = accepted.get(i, True)
+            if took is not True:  # refused: the request ends as aborted, without an error (as a sampler slip would)
+                error = self.grammar.engine_error("accepting a token", took) if isinstance(took, Exception) else ""
+                results.append(self.fail(req, error))
+                continue
             req.first_token_at = req.first_token_at or now
             if req.return_logprob and logprobs is not None:
                 req.output_logprobs.append((logprobs[i], tok))
@@ -82,15 +85,6 @@ class OutputProcessor:
                     req.output_top_logprobs.append([(lp, t) for t, lp in top_logprobs[i]])
             results.append(self._advance(req, tok))
         return results
-
-    def _accept(self, req: EngineRequest, tok: int) -> str | None:
-        """None when the grammar accepts tok; else why the request must end."""
-        try:
-            if self.grammar.accept(req, tok):
-                return None
-        except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
-            return self.grammar.engine_error("accepting a token", e)
-        return ""  # refused: the request ends as aborted, without an error (as a sampler slip would)
 
     def _advance(self, req: EngineRequest, tok: int) -> RequestOutput:
         p = req.params

@@ -15,9 +15,11 @@ from radixlm.runtime.constrained.grammar import bitmask_width
 __all__ = ["allocate_bitmask", "apply_bitmask_", "allowed_tokens"]
 
 
-def allocate_bitmask(n_rows: int, vocab_size: int) -> torch.Tensor:
-    """An (n_rows, words) int32 CPU tensor with every token allowed."""
-    return torch.full((n_rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+def allocate_bitmask(n_rows: int, vocab_size: int, pinned: bool = False) -> torch.Tensor:
+    """An (n_rows, words) int32 CPU tensor with every token allowed; ``pinned``: in page-locked
+    memory, for copies to a CUDA device that do not wait."""
+    mask = torch.empty((n_rows, bitmask_width(vocab_size)), dtype=torch.int32, pin_memory=pinned)
+    return mask.fill_(-1)
 
 
 def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -51,7 +53,7 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     already queued there (the forward pass whose logits the masks are for)."""
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> list[int]:

@@ -6,6 +6,7 @@ parsing, tokenizing and JSON never stall the model, and the model never stalls t
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import traceback
@@ -62,6 +63,10 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> Non
     try:
         core = EngineCore(config)
         core.warm_up()
+        # The model, tokenizer and grammar vocabularies are millions of long-lived objects: keep
+        # them out of the cyclic collector, whose full passes would otherwise stall steps.
+        gc.collect()
+        gc.freeze()
     except Exception as e:  # noqa: BLE001 - reported to the server, which exits with it
         outbox.send_pyobj(Ready({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
         return

@@ -1,0 +1,101 @@
+"""Batched grammar work equals row-by-row work: fill_masks (xgrammar's thread pool) gives the
+rows each matcher's fill_mask gives, and accept_tokens the same verdicts and states, over
+matchers of several grammars at different points; a failing matcher fails only its own row."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from radixlm.runtime.constrained.bitmask import allocate_bitmask, allowed_tokens
+from radixlm.runtime.constrained.grammar import GrammarConfig, accept_tokens, fill_masks
+from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS
+
+pytestmark = pytest.mark.slow
+
+SPECS = [
+    ("json_schema", '{"type":"object","properties":{"a":{"type":"string","maxLength":8},"b":{"type":"integer"}},'
+                    '"required":["a","b"]}'),
+    ("json_schema", '{"type":"array","items":{"type":"boolean"}}'),
+    ("regex", r"[a-c]{2,5}-[0-9]+"),
+    ("choices", ["red wine", "white"]),
+]
+
+
+@pytest.fixture(scope="module")
+def backend(vocab):
+    return GRAMMAR_BACKENDS["xgrammar"](vocab, GrammarConfig(cache_size=16))
+
+
+def _walk(backend, rng: random.Random):
+    """Two matchers per spec, each advanced by a few random allowed tokens, twice (one to batch,
+    one to compare)."""
+    pairs = []
+    for kind, spec in SPECS:
+        grammar = backend.compile(kind, spec)
+        for steps in (0, rng.randrange(1, 6)):
+            a, b = grammar.new_matcher(), grammar.new_matcher()
+            row = allocate_bitmask(1, backend.vocab_size)[0]
+            for _ in range(steps):
+                row.fill_(-1)
+                a.fill_mask(row)
+                ok = [t for t in allowed_tokens(row, backend.vocab_size) if t not in backend.vocab.stop_ids]
+                if not ok:
+                    break
+                t = rng.choice(ok)
+                assert a.accept(t) and b.accept(t)
+            pairs.append((a, b))
+    return pairs
+
+
+def test_fill_masks_equals_fill_mask_row_by_row(backend):
+    pairs = _walk(backend, random.Random(0))
+    batch = allocate_bitmask(len(pairs) + 3, backend.vocab_size)
+    batch.fill_(7)  # stale content from an earlier step must not survive
+    rows = [2 + i for i in range(len(pairs))]
+    got = fill_masks([a for a, _ in pairs], batch, rows)
+    for (_, b), r, g in zip(pairs, rows, got):
+        one = allocate_bitmask(1, backend.vocab_size)[0]
+        need = b.fill_mask(one)  # `one` starts all-allowed, so it is right even when need is False
+        assert g is True or g == need
+        assert np.array_equal(batch[r].numpy(), one.numpy())
+
+
+def test_accept_tokens_equals_accept_row_by_row(backend):
+    rng = random.Random(1)
+    pairs = _walk(backend, rng)
+    tokens = [rng.randrange(backend.vocab_size) for _ in pairs]
+    row = allocate_bitmask(1, backend.vocab_size)[0]
+    for i, (a, _) in enumerate(pairs[::2]):  # half the rows get a token their grammar allows
+        row.fill_(-1)
+        a.fill_mask(row)
+        allowed = allowed_tokens(row, backend.vocab_size)
+        tokens[2 * i] = allowed[len(allowed) // 2]
+    got = accept_tokens([a for a, _ in pairs], tokens)
+    assert got == [b.accept(t) for (_, b), t in zip(pairs, tokens)]
+    assert any(got) and not all(got)
+    masks = allocate_bitmask(2, backend.vocab_size)
+    for a, b in pairs:  # the states stayed equal
+        masks.fill_(-1)
+        a.fill_mask(masks[0])
+        b.fill_mask(masks[1])
+        assert np.array_equal(masks[0].numpy(), masks[1].numpy())
+
+
+def test_a_failing_matcher_fails_only_its_row(backend):
+    pairs = _walk(backend, random.Random(2))
+
+    class Broken:
+        def fill_mask(self, row):
+            raise RuntimeError("engine fault")
+
+        def accept(self, token):
+            raise RuntimeError("engine fault")
+
+    matchers = [a for a, _ in pairs[:3]] + [Broken()] + [a for a, _ in pairs[3:5]]
+    got = fill_masks(matchers, allocate_bitmask(len(matchers), backend.vocab_size), list(range(len(matchers))))
+    assert isinstance(got[3], RuntimeError) and not any(isinstance(g, Exception) for i, g in enumerate(got) if i != 3)
+    took = accept_tokens(matchers, [0] * len(matchers))
+    assert isinstance(took[3], RuntimeError)
