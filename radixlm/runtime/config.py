@@ -107,6 +107,10 @@ class ConstraintConfig:
 
     grammar_backend: str = "xgrammar"  # a name in radixlm.runtime.constrained.GRAMMAR_BACKENDS
     jump_forward: bool = True  # requests may still turn it off with sampling_params.jump_forward
+    # Jump forward only while at most this many requests run; above it the forced text is decoded
+    # through the mask, one token a step, so decode batches stay uniform (CUDA graphs, the overlap
+    # schedule). None: 1 on CUDA (an extend step there costs several decode steps), no limit on the CPU.
+    jump_forward_max_running: int | None = None
     json_whitespace: str = "compact"
     grammar_compile_workers: int = 2
     grammar_cache_size: int = 1024
@@ -125,6 +129,8 @@ class ConstraintConfig:
                      "grammar_max_enum", "grammar_max_repeat"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.jump_forward_max_running is not None and self.jump_forward_max_running < 0:
+            raise ValueError(f"jump_forward_max_running must be >= 0, got {self.jump_forward_max_running}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
 

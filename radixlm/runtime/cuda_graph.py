@@ -89,7 +89,8 @@ class DecodeGraphs:
         bucket = self.buckets[bisect_left(self.buckets, bs)]
         pad = self._padding(bucket - bs)
         host = torch.tensor([c + p for c, p in zip((ids, positions, slots, rows, kv_lens), pad)], dtype=torch.int64)
-        self.inputs[:, :bucket].copy_(host)
+        # pinned and non-blocking: queued behind the step still running, the host does not wait for it
+        self.inputs[:, :bucket].copy_(host.pin_memory(), non_blocking=True)
         if ids_device is not None:
             self.inputs[0, :bs].copy_(ids_device)
         graph, logits = self.graphs[bucket]

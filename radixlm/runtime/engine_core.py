@@ -111,8 +111,11 @@ class EngineCore:
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset(arch.eos_token_ids) | ({eos} if eos is not None else set())
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)
+        jump_cap = config.constraint.jump_forward_max_running
+        if jump_cap is None:
+            jump_cap = 1 if self.device.type == "cuda" else sc.max_running_requests
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self.grammar, self.context_length,
-                                      self._finish_turn)
+                                      self._finish_turn, jump_cap)
         self.requests: dict[str, EngineRequest] = {}
         self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
         self._ahead: StepRun | None = None
@@ -273,7 +276,7 @@ class EngineCore:
             off += k
         if not samplers:
             return StepRun(scheduled, [], logits[:0, 0].long(), lambda: [])
-        logits = logits[rows]
+        logits = logits[self.runner.to_device(rows)]  # a non-blocking index: masks fill while the forward runs
         ended = tuple(self.output.fail(req, error) for req, error in self.grammar.mask(logits, samplers))
         tokens = sample_tokens(logits, self._sampling_batch(samplers))
         want_lp = any(r.return_logprob for r in samplers)

@@ -147,16 +147,16 @@ class GrammarStage:
         self.tokens += len(reqs)
         return out
 
-    def after_token(self, req: EngineRequest, limit: int, floor: int) -> GrammarStep:
+    def after_token(self, req: EngineRequest, limit: int, floor: int, jump: bool = True) -> GrammarStep:
         """After an accepted token: the jump over the text the grammar now forces (the output
-        may grow to ``limit`` tokens; tokens before ``floor`` stay), and whether the output is
-        complete with only a stop token allowed next."""
+        may grow to ``limit`` tokens; tokens before ``floor`` stay; none unless ``jump``), and
+        whether the output is complete with only a stop token allowed next."""
         matcher = req.matcher
         assert matcher is not None
         t0 = time.perf_counter()
-        jump = None
-        if req.jump_forward:
-            jump = self.service.jump_forward.jump(matcher, req.output_ids, floor, limit)
+        planned = None
+        if req.jump_forward and jump:
+            planned = self.service.jump_forward.jump(matcher, req.output_ids, floor, limit)
         done = False
         if matcher.is_completed():
             # the next step's row, filled now: it also says whether only a stop token may follow
@@ -166,7 +166,7 @@ class GrammarStage:
             if not done:
                 self._next_rows[req.rid] = (row, is_masked)
         self.seconds += time.perf_counter() - t0
-        return GrammarStep(jump, done)
+        return GrammarStep(planned, done)
 
     def forget(self, rid: str) -> None:
         """req finished: drop what was kept for its next step."""

@@ -66,7 +66,7 @@ class ModelRunner:
             if s.prefix_slots is not None:
                 assert len(s.prefix_slots) == s.cached_len
                 if s.prefix_slots:
-                    self.req_to_token[s.row, : s.cached_len] = torch.tensor(s.prefix_slots, device=self.device)
+                    self.req_to_token[s.row, : s.cached_len] = self.to_device(s.prefix_slots)
             q_starts.append(len(tokens))
             logit_rows.extend(range(len(tokens) + s.logit_start, len(tokens) + n))
             tokens.extend(s.token_ids)
@@ -76,17 +76,18 @@ class ModelRunner:
             q_lens.append(n)
             kv_lens.append(end)
             rows.append(s.row)
-        dev = self.device
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        self.req_to_token[torch.tensor(token_rows, dtype=torch.int64, device=dev), pos_t] = slot_t
+        # host lists reach the device through pinned, non-blocking copies: the host never waits here
+        # for the step still running
+        slot_t = self.to_device(slots)
+        pos_t = self.to_device(positions)
+        self.req_to_token[self.to_device(token_rows), pos_t] = slot_t
         meta = AttentionMeta(slot_t, self.req_to_token, rows, q_starts, q_lens, kv_lens)
         self.attention.prepare(meta)
         logits: torch.Tensor = self.model(
-            ids if ids is not None else torch.tensor(tokens, dtype=torch.int64, device=dev),
+            ids if ids is not None else self.to_device(tokens),
             pos_t,
             self.attention,
-            torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            self.to_device(logit_rows),
         )
         return logits
 

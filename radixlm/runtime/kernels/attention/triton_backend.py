@@ -204,7 +204,11 @@ class TritonAttention:
         cols = [[meta.rows[i] for i in dec], [meta.kv_lens[i] for i in dec], [meta.q_starts[i] for i in dec],
                 [meta.rows[i] for i in ext], [meta.q_starts[i] for i in ext], [meta.q_lens[i] for i in ext],
                 [meta.kv_lens[i] for i in ext]]
-        flat = torch.tensor([x for c in cols for x in c], dtype=torch.int32).to(meta.out_slots.device)
+        flat = torch.tensor([x for c in cols for x in c], dtype=torch.int32)
+        if meta.out_slots.is_cuda:  # pinned, non-blocking: no wait for the step still running
+            flat = flat.pin_memory().to(meta.out_slots.device, non_blocking=True)
+        else:  # the triton interpreter (tests)
+            flat = flat.to(meta.out_slots.device)
         parts = torch.split(flat, [len(c) for c in cols])
         self.out_slots, self.req_to_token = meta.out_slots, meta.req_to_token
         self._decode = None
