@@ -22,10 +22,18 @@ def allocate_bitmask(n_rows: int, vocab_size: int, pinned: bool = False) -> torc
     return mask.fill_(-1)
 
 
+_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """(rows, vocab_size) bool: one table look-up per byte (little-endian words: byte k of word
+    w holds tokens 32w + 8k .. 32w + 8k + 7)."""
+    table = _BIT_TABLES.get(bitmask.device)
+    if table is None:
+        table = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = _BIT_TABLES[bitmask.device] = table.bool().to(bitmask.device)
+    octets = bitmask.contiguous().view(torch.uint8).long()
+    return table[octets].reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def apply_bitmask_(
@@ -43,6 +51,9 @@ def apply_bitmask_(
     if not rows:
         return
     allowed = _unpack(_to_device(bitmask, logits.device), vocab_size)
+    if list(rows) == list(range(logits.shape[0])):  # every row masked: in place, no gather
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
     idx = _to_device(torch.tensor(list(rows), dtype=torch.long), logits.device)
     sub = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
     logits.index_copy_(0, idx, sub)

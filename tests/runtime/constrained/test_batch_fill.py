@@ -99,3 +99,22 @@ def test_a_failing_matcher_fails_only_its_row(backend):
     assert isinstance(got[3], RuntimeError) and not any(isinstance(g, Exception) for i, g in enumerate(got) if i != 3)
     took = accept_tokens(matchers, [0] * len(matchers))
     assert isinstance(took[3], RuntimeError)
+
+
+def test_apply_bitmask_matches_the_bit_layout():
+    """Bit t % 32 of word t // 32 allows token t, on both paths (every row, or some rows)."""
+    import torch
+
+    from radixlm.runtime.constrained.bitmask import apply_bitmask_
+
+    vocab = 1000
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    allowed = [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] for r in range(3)]
+    logits = torch.zeros(3, vocab)
+    apply_bitmask_(logits, bitmask)
+    assert (logits == 0).tolist() == allowed
+    logits = torch.zeros(5, vocab)
+    apply_bitmask_(logits, bitmask, [4, 0, 2])
+    assert [(logits[r] == 0).tolist() for r in (4, 0, 2)] == allowed
+    assert bool((logits[[1, 3]] == 0).all())
