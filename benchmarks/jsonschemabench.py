@@ -4,20 +4,24 @@ For every schema of every file in ``../shared/data/jsonschemabench/``: compile i
 feed each ``valid`` instance's JSON text, tokenized with the default model's tokenizer (SmolLM2),
 through a matcher — every token must be in the mask and accepted, then the stop token (the
 grammar must be complete) — and each invalid instance, which must be refused somewhere (a token
-or the final stop). Grammar time per token is fill_mask + accept.
+or the final stop). A schema *passes* (MaskBench's rule) when it compiles, every valid instance
+is accepted and every invalid one refused; an invalid instance accepted is a *wrong acceptance*.
+Grammar time per token is fill_mask + accept; µs/mask is fill_mask alone.
 
 Configuration (see docs/structured-output.md, "JSONSchemaBench"):
 - xgrammar: compact separators, strict mode (no properties beyond those a schema names: what
-  generation uses), any property order; outlines-core: compact separators (it has no
-  any-order or non-strict switch).
+  generation uses), any property order; llguidance: compact separators, not strict (the properties the
+  schema allows, as a validator reads it; generation closes objects, see close_objects);
+  outlines-core: compact separators (it has no any-order or strict switch).
 - Instances are serialized compactly (``json.dumps(separators=(",", ":"), ensure_ascii=False)``)
-  with each object's keys put in the order the schema names them (first mention anywhere in
-  the schema; unnamed keys last), the order both backends generate in.
+  with each object's keys put in the order its own subschema names them (``properties``, then
+  those of its ``$ref``/``allOf``/``anyOf``/``oneOf``; unnamed keys last), the order the
+  order-fixed backends generate in.
 
 Each (schema, backend) runs in one of ``--workers`` processes (2 by default) under a time and
 memory cap; a task past either is killed and counted as not compiled ("timeout", "memory").
 
-    python benchmarks/jsonschemabench.py [--limit N] [--backends xgrammar,outlines]
+    python benchmarks/jsonschemabench.py [--limit N] [--backends xgrammar,llguidance,outlines|all]
 """
 
 from __future__ import annotations
@@ -39,18 +43,19 @@ from typing import Any
 
 import numpy as np
 
-from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS
 from radixlm.runtime.constrained.grammar import (
     GrammarBackend,
     GrammarConfig,
     bitmask_width,
 )
+from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data" / "jsonschemabench"
 FILES = ("Github_trivial", "Github_easy", "Glaiveai2K", "Handwritten", "Synthesized")
 BACKEND_CONFIGS = {
     "xgrammar": GrammarConfig(json_any_order=True),
+    "llguidance": GrammarConfig(json_strict=False),  # a validator's semantics: unnamed properties allowed
     "outlines": GrammarConfig(),
 }
 # Published coverage (JSONSchemaBench paper, Llama-3.2-1B), from the data folder's README.
@@ -95,18 +100,69 @@ def property_order(schema: Any) -> dict[str, int]:
     return order
 
 
-def serialize(data: Any, order: dict[str, int]) -> str:
-    """Compact JSON with object keys in schema order (unnamed keys last, as they were)."""
-
-    def reorder(node: Any) -> Any:
+def _local_ref(ref: Any, root: Any) -> Any:
+    """The schema a local ``$ref`` (``#``, ``#/$defs/x``) points to, or None."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict):
-            keys = sorted(enumerate(node), key=lambda ik: (order.get(ik[1], math.inf), ik[0]))
-            return {k: reorder(node[k]) for _, k in keys}
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _applicable(schema: Any, root: Any) -> list[dict]:
+    """``schema`` and what it pulls in, in the order its keywords come (``$ref`` targets,
+    ``allOf``/``anyOf``/``oneOf`` branches): the order an order-fixed grammar reads them in."""
+    out: list[dict] = []
+    todo, seen = [schema], set()
+    while todo:
+        node = todo.pop(0)
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node)
+        pulled: list[Any] = []
+        for key, value in node.items():
+            if key == "$ref":
+                pulled.append(_local_ref(value, root))
+            elif key in ("allOf", "anyOf", "oneOf") and isinstance(value, list):
+                pulled.extend(value)
+        todo[:0] = pulled
+    return out
+
+
+def serialize(data: Any, schema: Any, root: Any = None) -> str:
+    """Compact JSON with each object's keys in the order of the ``properties`` that apply to it
+    (its subschema's, then those of its ``$ref``/``allOf``/``anyOf``/``oneOf``; unnamed keys
+    last, as they were): the order order-fixed grammars (llguidance, outlines) generate in."""
+    root = schema if root is None else root
+
+    def reorder(node: Any, sub: Any) -> Any:
+        parts = _applicable(sub, root)
+        if isinstance(node, dict):
+            props: dict[str, Any] = {}
+            for part in parts:
+                if isinstance(part.get("properties"), dict):
+                    for name, value in part["properties"].items():
+                        props.setdefault(name, value)
+            rank = {name: i for i, name in enumerate(props)}
+            keys = sorted(enumerate(node), key=lambda ik: (rank.get(ik[1], math.inf), ik[0]))
+            return {k: reorder(node[k], props.get(k)) for _, k in keys}
         if isinstance(node, list):
-            return [reorder(v) for v in node]
+            items = next((p["items"] for p in parts if isinstance(p.get("items"), (dict, list))), None)
+            prefix = next((p["prefixItems"] for p in parts if isinstance(p.get("prefixItems"), list)), [])
+            if isinstance(items, list):  # draft-4 tuple
+                prefix, items = items, None
+            return [reorder(v, prefix[i] if i < len(prefix) else items) for i, v in enumerate(node)]
         return node
 
-    return json.dumps(reorder(data), separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(reorder(data, schema), separators=(",", ":"), ensure_ascii=False)
 
 
 def has_unnamed_key(data: Any, order: dict[str, int]) -> bool:
@@ -136,28 +192,44 @@ class SchemaResult:
     no_forced_text: str = ""  # outlines: why the grammar has no character FSM
     tokens: int = 0
     grammar_s: float = 0.0  # fill_mask + accept, summed over tokens
+    mask_s: float = 0.0  # fill_mask alone, summed over tokens
     mask_mismatches: int = 0  # tokens whose mask bit disagreed with accept()
+    engine_errors: int = 0  # instances or walks the grammar engine failed on (RuntimeError)
     walks: int = 0  # random walks through the grammar (model-free generation)
     walks_finished: int = 0  # ... that reached a stop token within WALK_MAX_TOKENS
     walks_valid: int = 0  # ... finished ones that validate with the jsonschema library
+    walk_compile_error: str = ""  # generation's config refused what the acceptance config compiled
     schema_error: str = ""  # the schema fails its own metaschema: outputs are not validated
     failures: list[str] = field(default_factory=list)
 
 
-def feed(matcher: Any, ids: list[int], row: np.ndarray, stop: int) -> tuple[int | None, int, float, int]:
-    """Feed ``ids`` then ``stop``; (index of the first refused one or None, tokens fed,
-    grammar seconds, mask/accept disagreements)."""
-    spent, mismatches = 0.0, 0
+@dataclass
+class Fed:
+    """One instance fed through a matcher."""
+
+    refused_at: int | None  # index of the first refused token (the stop token is the last), or None
+    tokens: int
+    grammar_s: float  # fill_mask + accept
+    mask_s: float  # fill_mask alone
+    mismatches: int  # tokens whose mask bit disagreed with accept()
+
+
+def feed(matcher: Any, ids: list[int], row: np.ndarray, stop: int) -> Fed:
+    """Feed ``ids`` then ``stop`` through ``matcher``, masking before each token."""
+    spent = masking = 0.0
+    mismatches = 0
     for i, t in enumerate([*ids, stop]):
         t0 = time.perf_counter()
         matcher.fill_mask(row)
+        t1 = time.perf_counter()
         ok = matcher.accept(t)
         spent += time.perf_counter() - t0
+        masking += t1 - t0
         if bool((int(row[t // 32]) >> (t % 32)) & 1) != ok:
             mismatches += 1
         if not ok:
-            return i, i + 1, spent, mismatches
-    return None, len(ids) + 1, spent, mismatches
+            return Fed(i, i + 1, spent, masking, mismatches)
+    return Fed(None, len(ids) + 1, spent, masking, mismatches)
 
 
 WALK_MAX_TOKENS = 256
@@ -214,8 +286,12 @@ def validate_walks(res: SchemaResult, grammar: Any, schema: Any, decoded: list[b
         return
     rng = np.random.default_rng(zlib.crc32(res.name.encode()))
     for _ in range(walks):
-        text = random_walk(grammar.new_matcher(), decoded, stop, rng, row, structural)
         res.walks += 1
+        try:
+            text = random_walk(grammar.new_matcher(), decoded, stop, rng, row, structural)
+        except RuntimeError:
+            res.engine_errors += 1
+            continue
         if text is None:
             continue
         res.walks_finished += 1
@@ -250,12 +326,23 @@ def check_schema(backend: GrammarBackend, file: str, row: dict,
     order = property_order(row["schema"])
     bitmask = np.zeros(bitmask_width(grammar.vocab_size), dtype=np.int32)
     for n, test in enumerate(row["tests"]):
-        text = serialize(test["data"], order)
+        text = serialize(test["data"], row["schema"])
         matcher = grammar.new_matcher()
-        bad, fed, spent, mism = feed(matcher, encode(text), bitmask, stop)
-        res.tokens += fed
-        res.grammar_s += spent
-        res.mask_mismatches += mism
+        try:
+            fed = feed(matcher, encode(text), bitmask, stop)
+        except RuntimeError as e:  # the engine failed mid-way: a request ends with an error, no output
+            res.engine_errors += 1
+            res.valid += test["valid"]
+            res.invalid += not test["valid"]
+            res.invalid_rejected += not test["valid"]
+            if len(res.failures) < MAX_FAILURES_KEPT:
+                res.failures.append(f"#{n} engine error: {str(e)[:200]}")
+            continue
+        bad = fed.refused_at
+        res.tokens += fed.tokens
+        res.grammar_s += fed.grammar_s
+        res.mask_s += fed.mask_s
+        res.mask_mismatches += fed.mismatches
         if test["valid"]:
             res.valid += 1
             res.valid_accepted += bad is None and matcher.is_terminated()
@@ -272,8 +359,12 @@ def check_schema(backend: GrammarBackend, file: str, row: dict,
         decoded = list(backend.vocab.decoded)
         if structural is None:
             structural = structural_tokens(decoded)
-        if walk_backend is not None:  # generation's config (xgrammar's any-order mode lets
-            grammar = walk_backend.compile("json_schema", row["schema"])  # keys repeat)
+        if walk_backend is not None:  # generation's config (xgrammar's any-order mode lets keys repeat)
+            try:
+                grammar = walk_backend.compile("json_schema", row["schema"])
+            except ValueError as e:  # compiles for acceptance, not as generation compiles it
+                res.walk_compile_error = str(e)[:200]
+                return res
         validate_walks(res, grammar, row["schema"], decoded, stop, walks, structural, bitmask)
     return res
 
@@ -401,24 +492,33 @@ def run_pool(tasks: list[tuple[str, str, dict, bool]], backends: tuple[str, ...]
 # --- report ---------------------------------------------------------------------------------
 
 
+def passes(r: dict) -> bool:
+    """MaskBench's rule: compiled, every valid instance accepted, every invalid one refused."""
+    return (bool(r["compiled"]) and not r["engine_errors"] and r["valid_accepted"] == r["valid"]
+            and r["invalid_rejected"] == r["invalid"])
+
+
 def summarize(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per backend, per file: coverage, valid acceptance, invalid rejection, µs per token."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for r in results:
         s = out.setdefault(r["backend"], {}).setdefault(r["file"], {
-            "schemas": 0, "compiled": 0, "timeouts": 0, "valid": 0, "valid_accepted": 0,
+            "schemas": 0, "compiled": 0, "passing": 0, "timeouts": 0, "valid": 0, "valid_accepted": 0,
             "valid_unnamed_key": 0, "invalid": 0, "invalid_rejected": 0, "tokens": 0,
-            "grammar_s": 0.0, "compile_s": 0.0, "mask_mismatches": 0, "no_forced_text": 0,
+            "grammar_s": 0.0, "mask_s": 0.0, "compile_s": 0.0, "mask_mismatches": 0, "engine_errors": 0,
+            "no_forced_text": 0,
             "walks": 0, "walks_finished": 0, "walks_valid": 0, "schema_errors": 0,
         })
         s["schemas"] += 1
         s["compiled"] += r["compiled"]
+        s["passing"] += passes(r)
         s["timeouts"] += r["error"].startswith(("timeout", "memory", "crash"))
         s["compile_s"] += r["compile_s"]
         s["no_forced_text"] += r["compiled"] and bool(r["no_forced_text"])
         s["schema_errors"] += bool(r.get("schema_error"))
         for k in ("valid", "valid_accepted", "valid_unnamed_key", "invalid", "invalid_rejected",
-                  "tokens", "grammar_s", "mask_mismatches", "walks", "walks_finished", "walks_valid"):
+                  "tokens", "grammar_s", "mask_s", "mask_mismatches", "engine_errors", "walks", "walks_finished",
+                  "walks_valid"):
             s[k] += r.get(k, 0)
     for files in out.values():
         total = {k: 0 for k in next(iter(files.values()))}
@@ -428,9 +528,12 @@ def summarize(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
         files["total"] = total
         for s in files.values():
             s["coverage"] = s["compiled"] / s["schemas"] if s["schemas"] else None
+            s["pass_rate"] = s["passing"] / s["schemas"] if s["schemas"] else None
+            s["wrong_acceptances"] = s["invalid"] - s["invalid_rejected"]
             s["valid_acceptance"] = s["valid_accepted"] / s["valid"] if s["valid"] else None
             s["invalid_rejection"] = s["invalid_rejected"] / s["invalid"] if s["invalid"] else None
             s["us_per_token"] = 1e6 * s["grammar_s"] / s["tokens"] if s["tokens"] else None
+            s["us_per_mask"] = 1e6 * s["mask_s"] / s["tokens"] if s["tokens"] else None
             s["mean_compile_ms"] = 1e3 * s["compile_s"] / s["schemas"] if s["schemas"] else None
     return out
 
@@ -442,9 +545,9 @@ def _pct(x: float | None) -> str:
 def table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
     """A markdown table: one line per (file, backend)."""
     lines = [
-        "| file | backend | schemas | coverage | published coverage | valid accepted | "
-        "invalid rejected | walk outputs valid | µs/token | mean compile ms |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| file | backend | schemas | compiled | passing (exact) | wrong acceptances | published coverage | "
+        "valid accepted | invalid rejected | walk outputs valid | µs/mask | µs/token | mean compile ms |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     files = [f for f in (*FILES, "total") if any(f in s for s in summary.values())]
     for f in files:
@@ -454,14 +557,14 @@ def table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
             if s is None:
                 continue
             walked = f"{s['walks_valid']}/{s['walks_finished']}" if s["walks_finished"] else "-"
+            head = (f"| {f} | {backend} | {s['schemas']} | {_pct(s['coverage'])} | {_pct(s['pass_rate'])} | "
+                    f"{s['wrong_acceptances']} | {pub} | ")
             lines.append(
-                f"| {f} | {backend} | {s['schemas']} | {_pct(s['coverage'])} | {pub} | "
-                f"{s['valid_accepted']}/{s['valid']} ({_pct(s['valid_acceptance'])}) | "
+                head + f"{s['valid_accepted']}/{s['valid']} ({_pct(s['valid_acceptance'])}) | "
                 f"{s['invalid_rejected']}/{s['invalid']} ({_pct(s['invalid_rejection'])}) | {walked} | "
-                f"{s['us_per_token']:.1f} | {s['mean_compile_ms']:.0f} |"
+                f"{s['us_per_mask']:.1f} | {s['us_per_token']:.1f} | {s['mean_compile_ms']:.0f} |"
                 if s["tokens"] else
-                f"| {f} | {backend} | {s['schemas']} | {_pct(s['coverage'])} | {pub} | - | - | {walked} | - | "
-                f"{s['mean_compile_ms']:.0f} |"
+                head + f"- | - | {walked} | - | - | {s['mean_compile_ms']:.0f} |"
             )
     return "\n".join(lines)
 
@@ -477,7 +580,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", type=Path, default=DATA_DIR)
     ap.add_argument("--files", default=",".join(FILES), help="comma-separated file stems")
-    ap.add_argument("--backends", default="xgrammar,outlines")
+    ap.add_argument("--backends", default="xgrammar,llguidance,outlines",
+                    help="comma-separated backends, or all")
     ap.add_argument("--limit", type=int, default=None, help="first N schemas of each file")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--model", default=None,
@@ -494,7 +598,7 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.workers <= (os.cpu_count() or 1):
         ap.error(f"--workers must be 1..{os.cpu_count()}")
-    backends = tuple(b for b in args.backends.split(",") if b)
+    backends = tuple(BACKEND_CONFIGS) if args.backends == "all" else tuple(b for b in args.backends.split(",") if b)
     for b in backends:
         if b not in BACKEND_CONFIGS:
             ap.error(f"unknown backend {b!r}; choose from {sorted(BACKEND_CONFIGS)}")
@@ -522,7 +626,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "host": platform.platform(),
         "cpus": os.cpu_count(),
-        "versions": {d: _version(d) for d in ("xgrammar", "outlines_core", "interegular", "transformers")},
+        "versions": {d: _version(d) for d in ("xgrammar", "llguidance", "outlines_core", "interegular",
+                                                "transformers")},
         "command": "python benchmarks/jsonschemabench.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
         "configs": {b: asdict(BACKEND_CONFIGS[b]) for b in backends},

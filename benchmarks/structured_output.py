@@ -6,7 +6,9 @@ like the llama.cpp peer, which constrains with its own JSON-schema grammar). Rep
 forward passes per output, output tokens/s, grammar microseconds per output token, and how
 many outputs are valid JSON that matches the schema.
 
-    python benchmarks/structured_output.py [--skip-llama-cpp] [--prompts 60] [--bs1-prompts 20]
+Constrained modes run once per grammar backend (``--backends``, default: every registered one).
+
+    python benchmarks/structured_output.py [--skip-llama-cpp] [--prompts 60] [--bs1-prompts 20] [--backends all]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import jsonschema
 import torch
 
+from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.model.source import DEFAULT_MODEL, builtin_gguf_path
 
@@ -109,37 +112,52 @@ def run_llama_cpp(chats: list, tok) -> dict:
             "grammar_us_per_token": None, "valid": sum(_valid(t) for t in texts), "n": len(chats)}
 
 
+def _cpu_flags() -> list[str]:
+    """The lscpu flags that decide CPU speed here (avx512_bf16 above all)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(f for f in flags.split(":")[1].split() if f.startswith(("avx", "amx")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=60)
     ap.add_argument("--bs1-prompts", type=int, default=20, help="prompts for the one-at-a-time runs")
     ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--backends", default="all", help="comma-separated grammar backends, or all")
     ap.add_argument("--out", default="benchmarks/results/structured_output.json")
     args = ap.parse_args()
+    backends = list(GRAMMAR_BACKENDS) if args.backends == "all" else args.backends.split(",")
     chats = prompts(args.prompts)
-    engine = Engine(max_total_tokens=40000)
     greedy = {"temperature": 0, "max_new_tokens": MAX_NEW}
-    modes = {
-        "free text": greedy,
+    constrained = {
         "constrained": {**greedy, "json_schema": SCHEMA, "jump_forward": False},
         "constrained + jump-forward": {**greedy, "json_schema": SCHEMA},
     }
-    engine.generate(chats[0], modes["constrained + jump-forward"])  # warm up: compile, first steps
     results: dict[str, dict] = {}
-    for batched in (True, False):
-        subset = chats if batched else chats[: args.bs1_prompts]
-        for mode, params in modes.items():
-            results[f"radixlm {mode} ({'batched' if batched else 'bs1'})"] = run_mode(engine, subset, params, batched)
+    tokenizer = None
+    for n, backend in enumerate(backends):
+        engine = Engine(max_total_tokens=40000, grammar_backend=backend)
+        tokenizer = engine.tokenizer
+        engine.generate(chats[0], constrained["constrained + jump-forward"])  # warm up: compile, first steps
+        modes = {**({"free text": greedy} if n == 0 else {}), **constrained}
+        for batched in (True, False):
+            subset = chats if batched else chats[: args.bs1_prompts]
+            for mode, params in modes.items():
+                name = mode if mode == "free text" else f"{mode}, {backend}"
+                results[f"radixlm {name} ({'batched' if batched else 'bs1'})"] = run_mode(engine, subset, params, batched)
+        engine.shutdown()
     if not args.skip_llama_cpp:
-        results["llama.cpp json-schema grammar (bs1)"] = run_llama_cpp(chats[: args.bs1_prompts], engine.tokenizer)
-    engine.shutdown()
-    print(f"{'system':<44}{'passes/out':>11}{'tok/out':>9}{'out tok/s':>11}{'grammar us/tok':>16}{'valid':>9}")
+        results["llama.cpp json-schema grammar (bs1)"] = run_llama_cpp(chats[: args.bs1_prompts], tokenizer)
+    print(f"{'system':<58}{'passes/out':>11}{'tok/out':>9}{'out tok/s':>11}{'grammar us/tok':>16}{'valid':>9}")
     for name, r in results.items():
         g = f"{r['grammar_us_per_token']:.1f}" if r["grammar_us_per_token"] is not None else "-"
-        print(f"{name:<44}{r['forward_passes_per_output']:>11.1f}{r['tokens_per_output']:>9.1f}"
+        print(f"{name:<58}{r['forward_passes_per_output']:>11.1f}{r['tokens_per_output']:>9.1f}"
               f"{r['out_tok_s']:>11.1f}{g:>16}{r['valid']:>5}/{r['n']}")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "threads": torch.get_num_threads(),
-            "prompts": args.prompts, "max_new_tokens": MAX_NEW}
+            "prompts": args.prompts, "max_new_tokens": MAX_NEW, "cpu_flags": _cpu_flags()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 

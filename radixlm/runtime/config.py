@@ -105,7 +105,7 @@ class ConstraintConfig:
     as possible, so jump-forward skips the most; ``spaced`` uses ``", "`` / ``": "``; ``any``
     lets the model choose its whitespace (the grammar then forces little)."""
 
-    grammar_backend: str = "xgrammar"  # a name in radixlm.runtime.constrained.GRAMMAR_BACKENDS
+    grammar_backend: str = "llguidance"  # a name in radixlm.runtime.constrained.GRAMMAR_BACKENDS (docs/structured-output.md)
     jump_forward: bool = True  # requests may still turn it off with sampling_params.jump_forward
     # Jump forward only while at most this many requests run; above it the forced text is decoded
     # through the mask, one token a step, so decode batches stay uniform (CUDA graphs, the overlap

@@ -23,6 +23,7 @@ import torch
 
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.constrained.registry import check_grammar_backend
 from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.cuda_graph import graph_buckets
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
@@ -110,6 +111,7 @@ class EngineCore:
         self.scheduler = Scheduler(sc, self.cache, self.allocator, self.context_length, self.sessions.unpin_lru)
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset(arch.eos_token_ids) | ({eos} if eos is not None else set())
+        check_grammar_backend(config.constraint.grammar_backend)  # fail at start, not at the first constrained request
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)
         jump_cap = config.constraint.jump_forward_max_running
         if jump_cap is None:

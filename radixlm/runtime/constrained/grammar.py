@@ -38,6 +38,7 @@ __all__ = [
     "bitmask_width",
     "choices_to_ebnf",
     "fill_masks",
+    "mask_pointer",
     "normalize_spec",
 ]
 
@@ -47,6 +48,20 @@ GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choices")
 def bitmask_width(vocab_size: int) -> int:
     """Number of int32 words in one token-bitmask row."""
     return (vocab_size + 31) // 32
+
+
+def mask_pointer(mask: Any, width: int, ndim: int = 1) -> int:
+    """Address of a C-contiguous int32 CPU array (torch or numpy) of ``ndim`` dimensions (1: one
+    row, 2: rows) whose rows are ``width`` words; ValueError naming what is wrong."""
+    if str(mask.dtype) not in ("int32", "torch.int32"):
+        raise ValueError(f"bitmask must be int32, got {mask.dtype}")
+    if hasattr(mask, "data_ptr"):
+        ok, ptr = mask.is_contiguous() and mask.device.type == "cpu", mask.data_ptr()
+    else:
+        ok, ptr = mask.flags.c_contiguous, mask.ctypes.data
+    if not ok or mask.ndim != ndim or mask.shape[-1] != width:
+        raise ValueError(f"bitmask must be a contiguous {ndim}-D CPU array of rows of {width} int32 words")
+    return int(ptr)
 
 
 @dataclass(frozen=True)
@@ -499,10 +514,26 @@ class CachedGrammarBackend:
         check_spec(kind, norm, self.config.limits)
         # Compiled outside the lock: two threads may compile one key; the first one kept wins.
         try:
+            if kind == "json_schema":
+                norm = self._enforceable_schema(norm)
             result: Grammar | CompileFailure = self._compile_uncached(kind, norm)
         except ValueError as e:
             result = CompileFailure(str(e))
         return _grammar_or_raise(self._keep(key, result))
+
+    def check_schema(self, schema: Any) -> Any:
+        """The schema to compile for ``schema`` (parsed JSON): as is, or narrowed, or
+        UnsupportedSchema naming what this backend's engine cannot enforce exactly. Each backend
+        refuses only what its own engine gets wrong; this default refuses nothing."""
+        return schema
+
+    def _enforceable_schema(self, text: str) -> str:
+        schema = json.loads(text)
+        try:
+            checked = self.check_schema(schema)
+        except UnsupportedSchema as e:
+            raise ValueError(f"cannot compile json_schema: {e}") from None
+        return text if checked is schema else _json_dumps(checked)
 
     def remember_failure(self, kind: str, spec: Any, message: str) -> None:
         """Cache ``message`` as the outcome of compiling ``(kind, spec)`` (a compile that ran
@@ -552,15 +583,13 @@ class XGrammarBackend(CachedGrammarBackend):
         bounds = grammar_bounds(kind, compiled.grammar.serialize_json())
         return XGrammarGrammar(kind, compiled, self.vocab_size, self._xgr, rules, bounds.jump_safe)
 
+    def check_schema(self, schema: Any) -> Any:
+        """Refuse what xgrammar only approximates, or narrow it to what xgrammar enforces (schema_check.py)."""
+        return prepare_json_schema(schema)
+
     def _compile_engine(self, kind: str, norm: Any) -> Any:
         c = self._compiler
         cfg = self.config
-        if kind == "json_schema":
-            # Refuse what xgrammar only approximates; compile the (maybe narrowed) result.
-            try:
-                norm = _json_dumps(prepare_json_schema(json.loads(norm)))
-            except UnsupportedSchema as e:
-                raise ValueError(f"cannot compile json_schema: {e}") from None
         try:
             if kind == "json_schema":
                 return c.compile_json_schema(

@@ -29,6 +29,7 @@ from radixlm.runtime.constrained.grammar import (
     CachedGrammarBackend,
     GrammarConfig,
     bitmask_width,
+    mask_pointer,
 )
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
@@ -232,19 +233,6 @@ class CharFSM:
         return text
 
 
-def _row_pointer(row: Any, width: int) -> int:
-    """Address of a contiguous 1-D int32 CPU row (torch tensor or numpy array) of ``width``."""
-    if str(row.dtype) not in ("int32", "torch.int32"):
-        raise ValueError(f"bitmask row must be int32, got {row.dtype}")
-    if hasattr(row, "data_ptr"):
-        if not row.is_contiguous() or row.numel() != width or row.device.type != "cpu":
-            raise ValueError(f"bitmask row must be a contiguous CPU row of {width} int32 words")
-        return int(row.data_ptr())
-    if not row.flags.c_contiguous or row.size != width:
-        raise ValueError(f"bitmask row must be a contiguous row of {width} int32 words")
-    return int(row.ctypes.data)
-
-
 def _set_bit(row: Any, token: int, on: bool) -> None:
     word, bit = divmod(token, 32)
     value = -(1 << 31) if bit == 31 else 1 << bit  # int32 two's complement for bit 31
@@ -297,7 +285,7 @@ class OutlinesMatcher:
 
         Returns False when every token is allowed (the row need not be applied)."""
         width = bitmask_width(self.vocab_size)
-        ptr = _row_pointer(bitmask_row, width)
+        ptr = mask_pointer(bitmask_row, width)
         if self._terminated:
             bitmask_row[:] = 0
             for s in self._stops:

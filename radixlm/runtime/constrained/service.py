@@ -17,7 +17,7 @@ from radixlm.runtime.constrained.compile_pool import CompilePool
 from radixlm.runtime.constrained.grammar import Grammar, GrammarConfig, normalize_spec
 from radixlm.runtime.constrained.jump_forward import JumpForward
 from radixlm.runtime.constrained.limits import SpecLimits, check_spec
-from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS, make_grammar_backend
+from radixlm.runtime.constrained.registry import check_grammar_backend, make_grammar_backend
 from radixlm.runtime.constrained.tokenizer_info import build_tokenizer_vocab
 
 __all__ = ["ERROR_PREFIX", "GrammarService", "grammar_config"]
@@ -42,10 +42,7 @@ def grammar_config(config: ConstraintConfig) -> GrammarConfig:
 
 class GrammarService:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int], config: ConstraintConfig) -> None:
-        if config.grammar_backend not in GRAMMAR_BACKENDS:
-            raise ValueError(
-                f"unknown grammar backend {config.grammar_backend!r}; choose one of {sorted(GRAMMAR_BACKENDS)}"
-            )
+        check_grammar_backend(config.grammar_backend)
         self.config = config
         self.vocab = build_tokenizer_vocab(tokenizer, vocab_size, stop_ids)
         self.backend = make_grammar_backend(config.grammar_backend, self.vocab, grammar_config(config))

@@ -6,13 +6,16 @@ as ordinary text tokens: with it, ``<|im_start|>`` is allowed inside a JSON stri
 xgrammar 0.2.8, where its ``special_token_ids`` comes back empty for this tokenizer). Here every
 special or added token, and every id past the tokenizer's vocab up to the logits width, decodes
 to ``b""``, which grammar engines treat as "never part of the text"; the stop ids are allowed
-only where the grammar may end. This module imports neither torch nor a grammar engine.
+only where the grammar may end. It also carries the Rust tokenizer's JSON, for an engine that
+tokenizes forced text itself (llguidance), which must then agree with ``decoded``. This module
+imports neither torch nor a grammar engine.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["TokenizerVocab", "build_tokenizer_vocab", "byte_level_decoder"]
@@ -38,6 +41,7 @@ class TokenizerVocab:
 
     ``decoded[i]`` is the exact bytes token ``i`` adds to the text, ``b""`` for ids that must
     never appear inside constrained text; ``len(decoded) == vocab_size`` (the logits width).
+    ``hf_json``: the Hugging Face Rust tokenizer serialized (``""`` when there is none).
     """
 
     decoded: tuple[bytes, ...]
@@ -45,6 +49,7 @@ class TokenizerVocab:
     special_ids: frozenset[int]
     stop_ids: tuple[int, ...]
     kind: str  # "byte_level" or "byte_fallback"
+    hf_json: str = field(default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         assert len(self.decoded) == self.vocab_size
@@ -63,6 +68,17 @@ def _added_ids(tokenizer: Any) -> set[int]:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     ids.update(int(i) for i in added)
     return ids
+
+
+def _rust_tokenizer_json(tokenizer: Any) -> str:
+    """A fast tokenizer's Rust tokenizer as JSON, without padding or truncation ('' if none)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return ""
+    backend = copy.copy(backend)  # a new Rust tokenizer: the tokenizer in use keeps its settings
+    backend.no_padding()
+    backend.no_truncation()
+    return str(backend.to_str())
 
 
 def _detect_kind(tokens: Iterable[str], byte_chars: set[str]) -> str:
@@ -126,4 +142,5 @@ def build_tokenizer_vocab(
         special_ids=frozenset(special),
         stop_ids=stops,
         kind=kind,
+        hf_json=_rust_tokenizer_json(tokenizer),
     )

@@ -1,6 +1,7 @@
-"""Batched grammar work equals row-by-row work: fill_masks (xgrammar's thread pool) gives the
-rows each matcher's fill_mask gives, and accept_tokens the same verdicts and states, over
-matchers of several grammars at different points; a failing matcher fails only its own row."""
+"""Batched grammar work equals row-by-row work: fill_masks (xgrammar's or llguidance's thread
+pool) gives the rows each matcher's fill_mask gives, and accept_tokens the same verdicts and
+states, over matchers of several grammars and backends at different points; a failing matcher
+fails only its own row."""
 
 from __future__ import annotations
 
@@ -25,8 +26,13 @@ SPECS = [
 
 
 @pytest.fixture(scope="module")
-def backend(vocab):
-    return GRAMMAR_BACKENDS["xgrammar"](vocab, GrammarConfig(cache_size=16))
+def backends(vocab) -> dict:
+    return {name: GRAMMAR_BACKENDS[name](vocab, GrammarConfig(cache_size=16)) for name in ("xgrammar", "llguidance")}
+
+
+@pytest.fixture(params=["xgrammar", "llguidance"])
+def backend(request, backends):
+    return backends[request.param]
 
 
 def _walk(backend, rng: random.Random):
@@ -50,17 +56,42 @@ def _walk(backend, rng: random.Random):
     return pairs
 
 
+def _same_rows(pairs, batch, rows, got, vocab_size: int) -> None:
+    for (_, b), r, g in zip(pairs, rows, got):
+        one = allocate_bitmask(1, vocab_size)[0]
+        need = b.fill_mask(one)  # `one` starts all-allowed, so it is right even when need is False
+        assert g is True or g == need
+        assert np.array_equal(batch[r].numpy(), one.numpy())
+
+
 def test_fill_masks_equals_fill_mask_row_by_row(backend):
     pairs = _walk(backend, random.Random(0))
     batch = allocate_bitmask(len(pairs) + 3, backend.vocab_size)
     batch.fill_(7)  # stale content from an earlier step must not survive
     rows = [2 + i for i in range(len(pairs))]
     got = fill_masks([a for a, _ in pairs], batch, rows)
-    for (_, b), r, g in zip(pairs, rows, got):
-        one = allocate_bitmask(1, backend.vocab_size)[0]
-        need = b.fill_mask(one)  # `one` starts all-allowed, so it is right even when need is False
-        assert g is True or g == need
-        assert np.array_equal(batch[r].numpy(), one.numpy())
+    _same_rows(pairs, batch, rows, got, backend.vocab_size)
+    matchers = [a for a, _ in pairs]
+    assert type(matchers[0]).fill_batch(matchers, batch, rows) is not None  # the batch path, no fallback
+
+
+def test_fill_masks_mixes_backends_and_finished_matchers(backends, smol_tokenizer, vocab):
+    """Rows of both backends interleaved in one call, with llguidance matchers that accepted a
+    stop token (their rows allow the stop tokens; xgrammar refuses to mask after one)."""
+    rng = random.Random(3)
+    pairs = [p for name in ("xgrammar", "llguidance") for p in _walk(backends[name], rng)]
+    white = smol_tokenizer.encode("white", add_special_tokens=False) + [vocab.stop_ids[0]]
+    grammar = backends["llguidance"].compile("choices", ["red wine", "white"])
+    for _ in range(2):
+        done = grammar.new_matcher(), grammar.new_matcher()
+        assert all(m.accept(t) for m in done for t in white) and all(m.is_terminated() for m in done)
+        pairs.append(done)
+    rng.shuffle(pairs)
+    batch = allocate_bitmask(len(pairs) + 1, vocab.vocab_size)
+    batch.fill_(7)
+    rows = [1 + i for i in range(len(pairs))][::-1]
+    got = fill_masks([a for a, _ in pairs], batch, rows)
+    _same_rows(pairs, batch, rows, got, vocab.vocab_size)
 
 
 def test_accept_tokens_equals_accept_row_by_row(backend):
@@ -99,6 +130,21 @@ def test_a_failing_matcher_fails_only_its_row(backend):
     assert isinstance(got[3], RuntimeError) and not any(isinstance(g, Exception) for i, g in enumerate(got) if i != 3)
     took = accept_tokens(matchers, [0] * len(matchers))
     assert isinstance(took[3], RuntimeError)
+
+
+def test_an_llguidance_failure_in_a_batch_fails_only_its_row(backends, smol_tokenizer):
+    """llguidance gives up on a lexer step (test_llguidance.TOO_COMPLEX): its row alone fails."""
+    backend = backends["llguidance"]
+    broken = backend.compile("json_schema", {"type": "string", "minLength": 1, "maxLength": 5000,
+                                             "pattern": "^$|(^(?:\\S+\\s+){0,99}\\S+$)"}).new_matcher()
+    assert broken.accept(smol_tokenizer.encode('"', add_special_tokens=False)[0])
+    pairs = _walk(backend, random.Random(4))
+    matchers = [a for a, _ in pairs[:2]] + [broken] + [a for a, _ in pairs[2:4]]
+    batch = allocate_bitmask(len(matchers), backend.vocab_size)
+    got = fill_masks(matchers, batch, list(range(len(matchers))))
+    assert isinstance(got[2], RuntimeError) and "too many expressions" in str(got[2])
+    rest = [(i, p) for i, p in zip([0, 1, 3, 4], pairs[:4])]
+    _same_rows([p for _, p in rest], batch, [i for i, _ in rest], [got[i] for i, _ in rest], backend.vocab_size)
 
 
 def test_apply_bitmask_matches_the_bit_layout():

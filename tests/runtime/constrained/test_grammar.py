@@ -34,8 +34,13 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def backend(vocab) -> XGrammarBackend:
-    return GRAMMAR_BACKENDS["xgrammar"](vocab)
+def backends(vocab) -> dict:
+    return {name: GRAMMAR_BACKENDS[name](vocab) for name in ("xgrammar", "llguidance")}
+
+
+@pytest.fixture(params=["xgrammar", "llguidance"])
+def backend(request, backends):
+    return backends[request.param]
 
 
 # --- tokenizer description ------------------------------------------------------------------
@@ -268,7 +273,7 @@ def test_choices_reject_others_and_escape(smol_tokenizer, backend):
         ("json_schema", '{"type": ', "not valid JSON"),
         ("json_schema", 42, "dict, a JSON string or a Pydantic"),
         ("json_schema", "[1, 2]", "JSON object"),
-        ("regex", "a(b", "parenthesis"),
+        ("regex", "a(b", "parenthesis|unclosed group"),
         ("regex", "", "empty"),
         ("ebnf", "root ::= missing", "missing"),
         ("choices", [], "empty"),

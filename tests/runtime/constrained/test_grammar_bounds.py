@@ -1,4 +1,5 @@
-"""Grammars that can never end are refused when they compile; forced text is bounded (issue 21, bug 1)."""
+"""Grammars that can never end are refused when they compile (xgrammar) or force a bounded text
+(llguidance); forced text is bounded (issue 21, bug 1)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import pytest
 
 from radixlm.runtime.config import ConstraintConfig
-from radixlm.runtime.constrained import XGrammarBackend
+from radixlm.runtime.constrained import GRAMMAR_BACKENDS, XGrammarBackend
 from radixlm.runtime.constrained.jump_forward import MAX_JUMP_CHARS, JumpForward
 from radixlm.runtime.constrained.limits import MAX_SHORTEST_TEXT, grammar_bounds
 from radixlm.runtime.constrained.service import GrammarService
@@ -23,6 +24,16 @@ ENDLESS = [("json_schema", json.dumps(SELF_REQUIRED)), ("json_schema", json.dump
 @pytest.fixture(scope="module")
 def xgr_backend(vocab):
     return XGrammarBackend(vocab)
+
+
+@pytest.fixture(scope="module")
+def llg_backend(vocab):
+    return GRAMMAR_BACKENDS["llguidance"](vocab)
+
+
+@pytest.fixture(params=["xgrammar", "llguidance"])
+def backend(request, xgr_backend, llg_backend):
+    return {"xgrammar": xgr_backend, "llguidance": llg_backend}[request.param]
 
 
 @pytest.mark.parametrize(("kind", "spec"), ENDLESS)
@@ -47,6 +58,30 @@ def test_exponentially_long_shortest_text_is_refused(xgr_backend):
         xgr_backend.compile("ebnf", "\n".join(rules))
 
 
+@pytest.mark.parametrize(("kind", "spec"), [e for e in ENDLESS if e[1] != json.dumps(ONLY_ITSELF)])
+def test_llguidance_bounds_the_forced_text_of_endless_grammars(llg_backend, kind, spec):
+    """llguidance compiles these (generation under them runs to its length limit), but the text it
+    forces is finite and cut to what was asked for."""
+    m = llg_backend.compile(kind, spec).new_matcher()
+    forced = m.forced_text()
+    assert 1000 < len(forced) <= 100_000
+    assert m.forced_text(MAX_JUMP_CHARS) == forced[:MAX_JUMP_CHARS]
+    assert not m.is_completed()
+
+
+def test_llguidance_refuses_a_schema_that_is_only_a_reference_to_itself(llg_backend):
+    """``{"$ref": "#"}`` is any value to a validator, but llguidance builds a grammar with no text
+    (its first mask finds no token): refused when it compiles, never a request stuck at step one."""
+    with pytest.raises(ValueError, match="^cannot compile json_schema: no text satisfies it"):
+        llg_backend.compile("json_schema", ONLY_ITSELF)
+
+
+def test_llguidance_refuses_an_exponentially_large_grammar(llg_backend):
+    rules = ["root ::= r0", *(f"r{i} ::= r{i + 1} r{i + 1}" for i in range(40)), 'r40 ::= "ab"']
+    with pytest.raises(ValueError, match="^cannot compile ebnf: .*too big"):
+        llg_backend.compile("ebnf", "\n".join(rules))
+
+
 def test_optional_recursion_compiles_and_jumps(xgr_backend):
     g = xgr_backend.compile("json_schema", {"type": "object", "properties": {"c": {"$ref": "#"}}})
     assert g.jump_safe
@@ -65,7 +100,8 @@ def test_unreadable_grammar_turns_jump_forward_off():
 
 
 def test_service_refusal_names_constrained_decoding(smol_tokenizer, width):
-    service = GrammarService(smol_tokenizer, width, [smol_tokenizer.eos_token_id], ConstraintConfig())
+    config = ConstraintConfig(grammar_backend="xgrammar")  # the refusal is xgrammar's (grammar_bounds)
+    service = GrammarService(smol_tokenizer, width, [smol_tokenizer.eos_token_id], config)
     try:
         future = service.submit("json_schema", SELF_REQUIRED)
         with pytest.raises(ValueError, match="constrained decoding: json_schema accepts no finite text"):
@@ -93,9 +129,9 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("limit", [1, 5, 40])
-def test_jump_is_bounded_by_the_limit_in_tokens_and_chars(xgr_backend, vocab, smol_tokenizer, limit):
+def test_jump_is_bounded_by_the_limit_in_tokens_and_chars(backend, vocab, smol_tokenizer, limit):
     jf = JumpForward(vocab, lambda text: smol_tokenizer.encode(text, add_special_tokens=False))
-    m = _Recorder(xgr_backend.compile("regex", "x{20000}").new_matcher())
+    m = _Recorder(backend.compile("regex", "x{20000}").new_matcher())
     jump = jf.jump(m, [], 0, limit)
     assert jump is not None
     assert len(jump.new_ids) <= limit
@@ -104,17 +140,15 @@ def test_jump_is_bounded_by_the_limit_in_tokens_and_chars(xgr_backend, vocab, sm
     assert len(jump.text) <= limit * longest
 
 
-def test_jump_with_no_room_asks_for_nothing(xgr_backend, vocab, smol_tokenizer):
+def test_jump_with_no_room_asks_for_nothing(backend, vocab, smol_tokenizer):
     jf = JumpForward(vocab, lambda text: smol_tokenizer.encode(text, add_special_tokens=False))
-    m = _Recorder(xgr_backend.compile("regex", "x{20000}").new_matcher())
+    m = _Recorder(backend.compile("regex", "x{20000}").new_matcher())
     assert jf.jump(m, [], 0, 0) is None
     assert m.asked == []
 
 
-@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance", "outlines"])
 def test_forced_text_takes_a_bound(vocab, backend_name):
-    from radixlm.runtime.constrained import GRAMMAR_BACKENDS
-
     m = GRAMMAR_BACKENDS[backend_name](vocab).compile("regex", "abcdefgh[0-9]").new_matcher()
     assert m.forced_text() == "abcdefgh"
     assert m.forced_text(3) == "abc"

@@ -1,7 +1,8 @@
-"""Fuzzing the grammar backend with arbitrary and pathological constraints (xgrammar, the
-default model's vocabulary): every spec either compiles (and a matcher then runs a few tokens)
-or fails with a ValueError that says what is wrong; nothing else escapes, nothing hangs (each
-compile runs on a CompilePool whose time limit turns a stuck compile into that ValueError).
+"""Fuzzing the grammar backends with arbitrary and pathological constraints (xgrammar and
+llguidance, the default model's vocabulary): every spec either compiles (and a matcher then runs
+a few tokens) or fails with a ValueError that says what is wrong; nothing else escapes, nothing
+hangs (each compile runs on a CompilePool whose time limit turns a stuck compile into that
+ValueError).
 """
 
 from __future__ import annotations
@@ -30,8 +31,18 @@ COMPILE_LIMIT_S = 20.0  # far above any compile the strategies below produce
 
 
 @pytest.fixture(scope="module")
-def backend(vocab):
-    return GRAMMAR_BACKENDS["xgrammar"](vocab, GrammarConfig(cache_size=64))
+def backends(vocab) -> dict:
+    return {name: GRAMMAR_BACKENDS[name](vocab, GrammarConfig(cache_size=64)) for name in ("xgrammar", "llguidance")}
+
+
+@pytest.fixture(params=["xgrammar", "llguidance"])
+def backend(request, backends):
+    return backends[request.param]
+
+
+@pytest.fixture
+def xgr(backends):
+    return backends["xgrammar"]
 
 
 @pytest.fixture(scope="module")
@@ -225,8 +236,9 @@ def test_over_limit_specs_are_refused_before_compiling(backend, name):
         assert w in message
 
 
-# Classic catastrophic-backtracking regexes and huge counts: xgrammar builds automata, not a
-# backtracking matcher, so these compile at once; a few tokens then run through the matcher.
+# Classic catastrophic-backtracking regexes and huge counts: both backends build automata (or
+# derivatives), not a backtracking matcher, so these compile at once; a few tokens then run
+# through the matcher.
 BOUNDED = {
     "(a*)*b": ("regex", r"(a*)*b"),
     "(a|aa)+$": ("regex", r"(a|aa)+$"),
@@ -263,14 +275,14 @@ def test_limits_admit_what_they_promise():
         check_spec("json_schema", json.dumps(_nested_object(64)), limits)  # 129 levels
 
 
-def test_a_failed_compile_is_cached(backend):
+def test_a_failed_compile_is_cached(xgr):
     spec = {"type": "integer", "minimum": 10**300}  # xgrammar refuses it while compiling
     with pytest.raises(ValueError) as first:
-        backend.compile("json_schema", spec)
+        xgr.compile("json_schema", spec)
     key = ("json_schema", json.dumps(spec, separators=(",", ":")))
-    assert backend._cache[key] == CompileFailure(str(first.value))
+    assert xgr._cache[key] == CompileFailure(str(first.value))
     with pytest.raises(ValueError) as second:
-        backend.compile("json_schema", spec)
+        xgr.compile("json_schema", spec)
     assert str(second.value) == str(first.value)
 
 
@@ -281,7 +293,8 @@ def _service(tokenizer, width: int, **options: Any) -> GrammarService:
 def test_a_compile_past_the_time_limit_fails_its_request_and_is_remembered(smol_tokenizer, width):
     # 1,000 optional properties take seconds to compile (docs/reliability.md); the limit is 0.05 s
     slow = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
-    service = _service(smol_tokenizer, width, grammar_compile_timeout=0.05, grammar_compile_workers=1)
+    service = _service(smol_tokenizer, width, grammar_compile_timeout=0.05, grammar_compile_workers=1,
+                       grammar_backend="xgrammar")  # llguidance compiles this one in milliseconds
     try:
         with pytest.raises(ValueError) as err:
             service.submit("json_schema", slow).result()
@@ -318,7 +331,7 @@ def test_lone_surrogates_are_named(backend, kind, spec):
         backend.compile(kind, spec)
 
 
-def test_a_backtracking_pattern_property_check_is_bounded(backend):
+def test_a_backtracking_pattern_property_check_is_bounded(xgr):
     # schema_check tests property names against patternProperties. With Python's `re`, this one
     # backtracked for hours (~2^60 steps) holding the GIL, so no other thread of the engine
     # process (step loop, compile watchdog) ran meanwhile; now the search stops after 0.1 s.
@@ -326,4 +339,4 @@ def test_a_backtracking_pattern_property_check_is_bounded(backend):
     schema = {"type": "object", "properties": {name: {"type": "integer"}},
               "patternProperties": {"^(a|aa)+$": {"type": "string"}}}
     with pytest.raises(ValueError, match=f"property '{name}' also matches patternProperties"):
-        backend.compile("json_schema", schema)  # an unanswered search counts as a match
+        xgr.compile("json_schema", schema)  # an unanswered search counts as a match

@@ -98,5 +98,11 @@ def test_compile_errors_are_value_errors_with_a_reason(results):
 def test_serialize_puts_keys_in_schema_order(jsb):
     schema = {"properties": {"b": {"properties": {"y": {}, "x": {}}}, "a": {}}}
     order = jsb.property_order(schema)
-    assert jsb.serialize({"zz": 1, "a": 1, "b": {"x": 1, "y": 2}}, order) == '{"b":{"y":2,"x":1},"a":1,"zz":1}'
+    assert jsb.serialize({"zz": 1, "a": 1, "b": {"x": 1, "y": 2}}, schema) == '{"b":{"y":2,"x":1},"a":1,"zz":1}'
     assert jsb.has_unnamed_key([{"a": {"q": 1}}], order) and not jsb.has_unnamed_key({"a": 1}, order)
+    # each object in the order of its own subschema, through $ref, items and allOf
+    per_object = {"properties": {"p": {"properties": {"x": {}, "y": {}}},
+                                 "q": {"type": "array", "items": {"$ref": "#/$defs/q"}}},
+                  "$defs": {"q": {"allOf": [{"properties": {"y": {}}}, {"properties": {"x": {}}}]}}}
+    data = {"q": [{"x": 1, "y": 2}], "p": {"y": 1, "x": 2}}
+    assert jsb.serialize(data, per_object) == '{"p":{"x":2,"y":1},"q":[{"y":2,"x":1}]}'

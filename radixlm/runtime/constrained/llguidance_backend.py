@@ -1,0 +1,408 @@
+"""The llguidance grammar backend: JSON Schema, regexes, Lark/GBNF grammars and choices through
+llguidance's Earley parser over a token trie.
+
+- The tokenizer is the Hugging Face Rust tokenizer (``TokenizerVocab.hf_json``), checked to
+  agree with our :class:`TokenizerVocab` token by token: special and added tokens and padding ids
+  are special to llguidance and never allowed. The first stop id is llguidance's EOS, allowed
+  exactly where the grammar may end, and the other stop ids follow its bit. A stop token is never
+  passed to llguidance: it ends the matcher here (``is_terminated``) and can be rolled back.
+- Every constraint becomes one Lark grammar (``%json {...}`` for a schema, ``/.../`` for a regex)
+  compiled with ``no_forcing``: a mask allows every token the grammar allows, and ``accept``
+  takes exactly those.
+- json_schema → llguidance's own JSON Schema compiler, with our separators and no other
+  whitespace unless configured; it refuses by name what it does not enforce (``not``,
+  ``uniqueItems``, an overlapping ``oneOf``...). Before that, :func:`prepare_schema` drops the
+  formats it does not know and refuses the one thing found that it gets wrong; in strict mode
+  (``GrammarConfig.json_strict``, what generation uses) :func:`close_objects` allows no
+  properties beyond those a schema names, as xgrammar's strict mode does.
+- regex → llguidance's regex (Rust ``regex`` syntax, the whole output matches; ``^``/``$`` at
+  the ends are allowed); ebnf → a Lark grammar as llguidance reads it (rule ``start``), or a
+  GBNF grammar (rule ``root``, llama.cpp/xgrammar style) converted to Lark by llguidance's
+  converter; choices → one Lark terminal, an alternation of string literals.
+- Masks: llguidance writes the row itself (same layout: bit ``t % 32`` of int32 word ``t // 32``),
+  one matcher at a time or a batch in its thread pool with the GIL released (``fill_batch``).
+- Forced text: llguidance's forced bytes (bounded by its per-step item limit), cut to whole
+  UTF-8 characters.
+
+llguidance is imported lazily, when ``LLGuidanceBackend`` is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from radixlm.runtime.constrained.grammar import CachedGrammarBackend, GrammarConfig, bitmask_width, mask_pointer
+from radixlm.runtime.constrained.schema_check import UnsupportedSchema
+from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
+
+__all__ = ["KNOWN_FORMATS", "LLGuidanceBackend", "LLGuidanceGrammar", "LLGuidanceMatcher", "choices_to_lark",
+           "close_objects", "prepare_schema", "refers_to_special_tokens"]
+
+_REGEX_META = set("\\.+*?()|[]{}^$")
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# The string formats llguidance (1.9) enforces; others it refuses by name.
+KNOWN_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
+_POSITION = re.compile(r"^at \d+\(\d+\): ")
+# Every grammar is Lark with this header. no_forcing: where the grammar forces bytes, the mask
+# allows every token the grammar allows, as elsewhere (without it, llguidance allows only the
+# tokenizer's own tokens for them); masks then agree with accept() exactly, and jump-forward
+# appends forced text in the tokenizer's tokens anyway.
+_HEADER = '%llguidance {"no_forcing": true}\n'
+_DEAD_ENDS = frozenset({"NoExtension", "NoExtensionBias"})  # llguidance's errors for "no token fits"
+# What a Lark grammar holds besides rules: string literals, /regexes/ and comments.
+_LARK_TEXT = re.compile(r'"(?:\\.|[^"\\])*"|//[^\n]*|#[^\n]*|/(?:\\.|[^/\\\n])+/')
+
+
+def choices_to_lark(choices: tuple[str, ...]) -> str:
+    """A Lark grammar that accepts exactly one of ``choices`` (JSON string literals). One terminal
+    (a single lexeme: thousands of alternatives as rules would pass llguidance's row limit)."""
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def prepare_schema(schema: Any) -> Any:
+    """The schema llguidance compiles for ``schema`` (a copy), or UnsupportedSchema for what
+    llguidance accepts but cannot enforce. Every (sub)schema is looked at, referenced or not.
+
+    - ``format`` values llguidance does not know (``uri-reference``, ``int32``...) are dropped:
+      it refuses them, but to a validator a format is an annotation (asserted only on request,
+      e.g. with a ``FormatChecker``, and unknown ones never). Those it knows it enforces.
+    - llguidance lets a key beyond ``properties``/``required`` repeat (``{"b":1,"b":2}``, allowed
+      by ``additionalProperties`` or ``patternProperties``) and counts each repeat towards
+      ``minProperties``; a validator counts the key once. The required keys are unique, so one
+      key more is certain: ``minProperties`` above the required count + 1 is refused where such
+      keys are allowed."""
+    schema = copy.deepcopy(schema)
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, f"{where}/{i}") for i, v in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("format"), str) and node["format"] not in KNOWN_FORMATS:
+            del node["format"]
+        least = node.get("minProperties")
+        required = node.get("required")
+        n_required = len({r for r in required if isinstance(r, str)}) if isinstance(required, list) else 0
+        open_keys = node.get("additionalProperties", True) is not False or bool(node.get("patternProperties"))
+        if isinstance(least, (int, float)) and not isinstance(least, bool) and least > n_required + 1 and open_keys:
+            raise UnsupportedSchema(
+                "'minProperties' more than one above the required properties is not supported: llguidance "
+                f"counts a repeated key twice, a validator once (at {where or '/'})")
+        stack.extend((v, f"{where}/{k}") for k, v in node.items()
+                     if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+    return schema
+
+
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# Beside these, a schema's properties are not all it allows: closing it would refuse valid keys.
+_OPEN_BESIDE = frozenset({"additionalProperties", "unevaluatedProperties", "$ref", "$dynamicRef", "allOf", "anyOf",
+                          "oneOf", "if", "then", "else", "dependentSchemas", "dependencies"})
+
+
+def close_objects(schema: Any) -> Any:
+    """``schema`` (changed in place) with ``"additionalProperties": false`` on every object
+    schema that names its properties and says nothing of others: a model then writes only the
+    keys it names, and those it requires (a validator would allow any others). Left open:
+    objects that name no properties (a free-form map), a schema beside a ``$ref`` or a combiner
+    (``allOf``, ``anyOf``, ``if``...), the parts of an ``allOf``, and the branches of an
+    ``anyOf``/``oneOf`` beside properties: there other parts name keys too."""
+    stack: list[tuple[Any, bool]] = [(schema, False)]
+    while stack:
+        node, shared = stack.pop()  # shared: another schema names keys of the same object
+        if isinstance(node, list):
+            stack.extend((v, shared) for v in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        props = node.get("properties")
+        if isinstance(props, dict) and props and not shared and not _OPEN_BESIDE & node.keys():
+            required = node.get("required")
+            for key in required if isinstance(required, list) else ():
+                if isinstance(key, str) and key not in props:
+                    props[key] = {}  # required but not named: any value, as a validator allows
+            node["additionalProperties"] = False
+        names_keys = bool(props) or bool(node.get("patternProperties"))
+        for key, value in node.items():
+            if key in _DATA_KEYWORDS or not isinstance(value, (dict, list)):
+                continue
+            if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: a name is no keyword
+                stack.extend((v, False) for v in value.values())
+            else:
+                stack.append((value, key == "allOf" or (key in ("anyOf", "oneOf") and names_keys)))
+    return schema
+
+
+def refers_to_special_tokens(lark: str) -> bool:
+    """Whether a Lark grammar names a token (``<|im_end|>``, ``<[128010]>``): outside literals,
+    regexes and comments ``<`` means nothing else in llguidance's Lark."""
+    return "<" in _LARK_TEXT.sub("", lark)
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+
+
+def _json_options(config: GrammarConfig) -> dict[str, Any]:
+    """llguidance's JSON options for our layout: separators are regexes in llguidance."""
+    item, key = config.json_separators
+    return {"item_separator": _regex_literal(item), "key_separator": _regex_literal(key),
+            "whitespace_flexible": config.json_any_whitespace, "coerce_one_of": False, "lenient": False}
+
+
+def _clean_error(message: str, limit: int = 400) -> str:
+    """llguidance's message on one line, without its position in the grammar it built (``at
+    1(8):``), the excerpt of that grammar (``  12 | start: ...``), a parser state dump or a backtrace."""
+    lines = []
+    for line in re.split("<backtrace>|<state>|<non-verbose/>", message)[0].strip().splitlines():
+        head = line.strip()
+        if "|" in head and head.split("|")[0].strip().isdigit():
+            break
+        if head and not set(head) <= {"^", " "}:
+            lines.append(head)
+    text = _POSITION.sub("", " ".join(lines)) or "llguidance error"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` made of whole UTF-8 characters ('' if it starts mid-character)."""
+    for cut in range(len(data), max(len(data) - 4, 0) - 1, -1):
+        try:
+            return data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return ""
+
+
+def _same_vocabulary(tokenizer: Any, vocab: TokenizerVocab) -> None:
+    """ValueError unless llguidance's tokenizer has our bytes for every text token and keeps
+    every id we never allow (special, added, padding) out of the text."""
+    for i, ours in enumerate(vocab.decoded):
+        special = tokenizer.is_special_token(i)
+        theirs = b"" if special else tokenizer.decode_bytes([i])
+        if theirs != ours:
+            raise ValueError(f"the llguidance backend reads token {i} as {theirs!r}, the engine as {ours!r}; "
+                             "use another grammar backend for this tokenizer")
+
+
+class LLGuidanceMatcher:
+    """One request's state: an llguidance matcher, plus whether a stop token ended it."""
+
+    __slots__ = ("_m", "_executor", "vocab_size", "_decoded", "_stops", "_eos", "_extra_stops", "_accepted",
+                 "_terminated")
+
+    def __init__(self, matcher: Any, executor: Any, vocab: TokenizerVocab) -> None:
+        self._m = matcher
+        self._executor = executor
+        self.vocab_size = vocab.vocab_size
+        self._decoded = vocab.decoded
+        self._stops = frozenset(vocab.stop_ids)
+        self._eos = vocab.stop_ids[0]  # the one stop id llguidance knows
+        self._extra_stops = vocab.stop_ids[1:]
+        self._accepted = 0
+        self._terminated = False
+
+    def fill_mask(self, bitmask_row: Any) -> bool:
+        """Write the allowed next tokens into ``bitmask_row`` (1-D int32, CPU). Always masks
+        (special tokens are never allowed); RuntimeError when llguidance fails."""
+        width = bitmask_width(self.vocab_size)
+        ptr = mask_pointer(bitmask_row, width)
+        if self._terminated:
+            self._only_stops(bitmask_row)
+        else:
+            self._m.unsafe_compute_mask_ptr(ptr, 4 * width)
+            self._finish_row(bitmask_row)
+        return True
+
+    def _only_stops(self, row: Any) -> None:
+        row[:] = 0
+        for s in self._stops:
+            row[s // 32] |= _bit(s)
+
+    def _finish_row(self, row: Any) -> None:
+        """After llguidance wrote ``row``: raise its error, give the other stop ids EOS's bit."""
+        if self._m.is_error():
+            if not self._dead_end():
+                raise RuntimeError(f"llguidance: {_clean_error(self._m.get_error())}")
+            row[:] = 0  # no token continues the text (llguidance wrote its EOS-only fallback)
+            return
+        if self._extra_stops and int(row[self._eos // 32]) & _bit(self._eos):
+            for s in self._extra_stops:
+                row[s // 32] |= _bit(s)
+
+    @staticmethod
+    def fill_batch(matchers: Sequence[LLGuidanceMatcher], bitmask: Any,
+                   rows: Sequence[int]) -> list[bool | Exception] | None:
+        """fill_mask for many matchers in llguidance's thread pool (the GIL released); None when
+        the batch call itself fails, so the caller fills row by row."""
+        width = bitmask_width(matchers[0].vocab_size)
+        try:
+            ptr = mask_pointer(bitmask, width, ndim=2)
+            live = [(m._m, r) for m, r in zip(matchers, rows) if not m._terminated]
+            if live:
+                matchers[0]._executor.unsafe_compute_mask_ptr(live, ptr, 4 * width, int(bitmask.shape[0]))
+        except Exception:  # noqa: BLE001 - retried row by row, where the error lands on its own row
+            return None
+        out: list[bool | Exception] = []
+        for m, r in zip(matchers, rows):
+            try:
+                if m._terminated:
+                    m._only_stops(bitmask[r])
+                else:
+                    m._finish_row(bitmask[r])
+                out.append(True)
+            except Exception as e:  # noqa: BLE001 - a grammar-engine failure is its own row's
+                out.append(e)
+        return out
+
+    def accept(self, token: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar forbids it."""
+        token = int(token)
+        if self._terminated or not 0 <= token < self.vocab_size:
+            return False
+        if token in self._stops:
+            if not self._m.is_accepting():
+                return False
+            self._terminated = True
+        elif not self._decoded[token] or self._m.try_consume_tokens([token]) != 1:
+            if self._m.is_error() and not self._dead_end():
+                raise RuntimeError(f"llguidance: {_clean_error(self._m.get_error())}")
+            return False
+        self._accepted += 1
+        return True
+
+    def _dead_end(self) -> bool:
+        """llguidance stopped where no token continues the text (say the grammar needs a byte no
+        token holds): no engine failure, the mask just allows nothing, as xgrammar's would."""
+        return _clean_error(self._m.get_error()) in _DEAD_ENDS
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (a stop token included)."""
+        if n < 0:
+            raise ValueError(f"rollback count must be >= 0, got {n}")
+        if n > self._accepted:
+            raise ValueError(f"cannot roll back {n} tokens: only {self._accepted} accepted")
+        if n == 0:
+            return
+        self._accepted -= n
+        if self._terminated:
+            self._terminated = False
+            n -= 1
+        if n and not self._m.rollback(n):
+            raise RuntimeError(f"llguidance: rollback failed: {_clean_error(self._m.get_error())}")
+
+    def forced_text(self, max_chars: int | None = None) -> str:
+        """The text the grammar forces next ('' when the next character is a choice or the output
+        ends inside a character), at most ``max_chars`` characters."""
+        if self._terminated or max_chars == 0:
+            return ""
+        text = _utf8_prefix(self._m.compute_ff_bytes())
+        return text if max_chars is None else text[:max_chars]
+
+    def is_completed(self) -> bool:
+        """True once the text so far is a complete match (a stop token may follow)."""
+        return self._terminated or bool(self._m.is_accepting())
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted at a point where the grammar may end."""
+        return self._terminated
+
+
+def _bit(token: int) -> int:
+    """Token ``token``'s bit in its int32 word (bit 31 is the sign)."""
+    bit = token % 32
+    return -(1 << 31) if bit == 31 else 1 << bit
+
+
+class LLGuidanceGrammar:
+    """A compiled constraint: a fresh llguidance matcher that each request's matcher copies."""
+
+    __slots__ = ("kind", "vocab_size", "_template", "_executor", "_vocab")
+
+    def __init__(self, kind: str, template: Any, executor: Any, vocab: TokenizerVocab) -> None:
+        self.kind = kind
+        self.vocab_size = vocab.vocab_size
+        self._template = template
+        self._executor = executor
+        self._vocab = vocab
+
+    def new_matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._template.deep_copy(), self._executor, self._vocab)
+
+
+class LLGuidanceBackend(CachedGrammarBackend):
+    """Compiles constraints with llguidance against a :class:`TokenizerVocab`. Thread-safe: the
+    tokenizer and compiled templates are read-only; each matcher owns its llguidance matcher.
+    One thread pool (llguidance's ``LLExecutor``, its default size) fills batches of masks."""
+
+    name = "llguidance"
+
+    def __init__(self, vocab: TokenizerVocab, config: GrammarConfig | None = None) -> None:
+        import llguidance  # lazy: only when this backend is picked
+
+        super().__init__(vocab, config)
+        if not vocab.hf_json:
+            raise ValueError("the llguidance backend needs a fast (Rust) Hugging Face tokenizer")
+        self._llg = llguidance
+        # The Rust tokenizer: llguidance tokenizes forced bytes with it (masks there allow the
+        # canonical tokens), without calling back into Python.
+        self._tokenizer = llguidance.LLTokenizer(vocab.hf_json, n_vocab=vocab.vocab_size, eos_token=vocab.stop_ids[0])
+        _same_vocabulary(self._tokenizer, vocab)
+        self._executor = llguidance.LLExecutor()
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)  # errors name no parser state
+        self._json_options = _json_options(self.config)
+
+    def check_schema(self, schema: Any) -> Any:
+        """Drop formats llguidance does not know; refuse what it gets wrong (:func:`prepare_schema`);
+        in strict mode, close the objects (:func:`close_objects`)."""
+        prepared = prepare_schema(schema)
+        return close_objects(prepared) if self.config.json_strict else prepared
+
+    def grammar_text(self, kind: str, norm: Any) -> str:
+        """The Lark grammar llguidance compiles for a normalized spec (ValueError when there is none)."""
+        if kind == "json_schema":
+            schema = json.loads(norm)
+            if schema is False:
+                raise ValueError("cannot compile json_schema: the schema false accepts no value")
+            # our layout replaces any x-guidance options the schema brings (lenient mode, say)
+            schema = {**(schema if isinstance(schema, dict) else {}), "x-guidance": self._json_options}
+            return f"{_HEADER}start: %json {json.dumps(schema, separators=(',', ':'))}"
+        if kind == "regex":
+            return f"{_HEADER}start: /{self._llg.regex_to_lark(norm, '')}/"
+        if kind == "choices":
+            return _HEADER + choices_to_lark(norm)
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            lark = any_to_lark(norm)
+        except RecursionError:
+            raise ValueError("cannot compile ebnf: the grammar nests too deeply to convert") from None
+        except Exception as e:  # the GBNF converter raises its own error types
+            raise ValueError(f"cannot compile ebnf: {_clean_error(str(e))}") from None
+        if refers_to_special_tokens(lark):
+            raise ValueError("cannot compile ebnf: special tokens (<...> in Lark) are never allowed in "
+                             "constrained text")
+        if "allow_invalid_utf8" in lark:
+            raise ValueError("cannot compile ebnf: allow_invalid_utf8 would let invalid UTF-8 into the text")
+        return _HEADER + lark
+
+    def _compile_uncached(self, kind: str, norm: Any) -> LLGuidanceGrammar:
+        text = self.grammar_text(kind, norm)
+        # builds the grammar, the GIL released
+        template = self._llg.LLMatcher(self._tokenizer, text, log_level=0, limits=self._limits)
+        if template.is_error():
+            raise ValueError(f"cannot compile {kind}: {_clean_error(template.get_error())}")
+        # The first mask finds what the build does not: a grammar that accepts no text at all
+        # (a $ref loop), a lexer that gives up at once.
+        probe = template.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            error = _clean_error(probe.get_error())
+            reason = error if " " in error else f"no text satisfies it (llguidance stopped: {error})"
+            raise ValueError(f"cannot compile {kind}: {reason}")
+        return LLGuidanceGrammar(kind, template, self._executor, self.vocab)

@@ -1,0 +1,380 @@
+"""The llguidance grammar backend: masks against accept, stop tokens, forced text, rollback,
+errors, and the schema rules it needs (radixlm/runtime/constrained/llguidance_backend.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from matcher_helpers import _added_ids, _feed, _ids, _mask
+
+from radixlm.runtime.constrained import GRAMMAR_BACKENDS, GrammarConfig, bitmask_width, build_tokenizer_vocab
+from radixlm.runtime.constrained.bitmask import allocate_bitmask
+from radixlm.runtime.constrained.jump_forward import JumpForward
+from radixlm.runtime.constrained.llguidance_backend import (
+    LLGuidanceBackend,
+    choices_to_lark,
+    close_objects,
+    prepare_schema,
+    refers_to_special_tokens,
+)
+from radixlm.runtime.constrained.schema_check import UnsupportedSchema
+
+ORDER = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1},
+        "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                     "required": ["name"], "additionalProperties": False},
+        "status": {"enum": ["open", "paid"]},
+        "items": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+    },
+    "required": ["id", "customer", "status", "items"],
+    "additionalProperties": False,
+}
+EXPR = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+'
+# What an llguidance lexer step gives up on (JSONSchemaBench Github_easy o21053): masking fails.
+TOO_COMPLEX = {"type": "string", "minLength": 1, "maxLength": 5000, "pattern": "^$|(^(?:\\S+\\s+){0,99}\\S+$)"}
+
+
+@pytest.fixture(scope="module")
+def llg(vocab) -> LLGuidanceBackend:
+    return GRAMMAR_BACKENDS["llguidance"](vocab)
+
+
+def test_registered_under_llguidance(llg, vocab):
+    assert isinstance(llg, LLGuidanceBackend) and llg.name == "llguidance"
+    assert llg.vocab_size == vocab.vocab_size
+
+
+# --- masks allow exactly what the grammar allows --------------------------------------------
+
+
+LANGUAGES = [
+    ("json_schema", ORDER,
+     ['{"id":3,"customer":{"name":"Al"},"status":"paid","items":[]}',
+      '{"id":12,"customer":{"name":"B \\"Q\\""},"status":"open","items":["x","y"]}'],
+     ['{"id":0,"customer":{"name":"Al"},"status":"paid","items":[]}',  # minimum
+      '{"id":3,"customer":{"name":"Alexander"},"status":"paid","items":[]}',  # maxLength
+      '{"id":3,"customer":{"name":"Al"},"status":"lost","items":[]}',  # enum
+      '{"id":3,"customer":{"name":"Al"},"status":"paid","items":["a","b","c"]}',  # maxItems
+      '{"id":3,"customer":{"name":"Al"},"status":"paid"}',  # required
+      '{"id":3,"customer":{"name":"Al"},"status":"paid","items":[],"x":1}',  # additionalProperties
+      '{"id": 3,"customer":{"name":"Al"},"status":"paid","items":[]}',  # compact separators
+      '{"customer":{"name":"Al"},"id":3,"status":"paid","items":[]}']),  # schema order
+    ("regex", r"\(\d{3}\) [a-z]+(-[a-z]+)?", ["(555) abc", "(012) ab-cd"], ["(55) abc", "(555) ab-", "(555) Abc"]),
+    ("regex", r"^(yes|no)$", ["yes", "no"], ["ye", "yesno", "^yes$"]),
+    ("ebnf", EXPR, ["12+3", "7", "1-2+30"], ["1++2", "+1", "1+"]),
+    ("ebnf", 'start: "x" /[0-9]+/ ("!" | "?")', ["x1!", "x42?"], ["x!", "x1", "y1!"]),
+    ("choices", ["red wine", "white", "rosé"], ["red wine", "white", "rosé"], ["red", "whites", "rose"]),
+]
+
+
+def _walk(m, ids, width: int, eos: int) -> int | None:
+    """Feed ``ids`` then ``eos``, checking before each token that the mask allows exactly what
+    accept takes (on the token and a probe of others); the index of the first refused token."""
+    probe = sorted(set(range(0, width, 211)) | set(ids))
+    for i, t in enumerate([*ids, eos]):
+        allowed = _mask(m, width)
+        for p in probe:
+            ok = m.accept(p)
+            assert ok == (p in allowed), (i, p)
+            if ok:
+                m.rollback(1)
+        if not m.accept(t):
+            return i
+    return None
+
+
+@pytest.mark.parametrize(("kind", "spec", "good", "bad"), LANGUAGES, ids=[f"{k}-{i}" for i, (k, *_) in
+                                                                           enumerate(LANGUAGES)])
+def test_masks_allow_exactly_what_the_grammar_allows(smol_tokenizer, llg, width, kind, spec, good, bad):
+    eos = smol_tokenizer.eos_token_id
+    g = llg.compile(kind, spec)
+    for text in good:
+        m = g.new_matcher()
+        assert _walk(m, _ids(smol_tokenizer, text), width, eos) is None, text
+        assert m.is_terminated() and m.is_completed()
+    for text in bad:
+        m = g.new_matcher()
+        assert _walk(m, _ids(smol_tokenizer, text), width, eos) is not None, text
+        assert not m.is_terminated()
+
+
+def test_special_and_padding_ids_never_allowed(smol_tokenizer, width):
+    padded = width + 64
+    vocab = build_tokenizer_vocab(smol_tokenizer, padded)
+    be = LLGuidanceBackend(vocab)
+    never = (_added_ids(smol_tokenizer) | set(range(width, padded))) - {smol_tokenizer.eos_token_id}
+    m = be.compile("regex", "(.|\n)*").new_matcher()
+    allowed = _mask(m, padded)
+    assert not allowed & never and smol_tokenizer.eos_token_id in allowed  # may end anywhere
+    assert not any(m.accept(t) for t in sorted(never))
+    m = be.compile("json_schema", {"type": "string"}).new_matcher()
+    assert _feed(m, _ids(smol_tokenizer, '"Al')) is None
+    allowed = _mask(m, padded)
+    assert len(allowed) > 40_000 and not allowed & (never | {smol_tokenizer.eos_token_id})
+    assert m.accept(_ids(smol_tokenizer, "ice")[0])
+
+
+def test_every_stop_id_only_where_complete(smol_tokenizer, width):
+    im_end, endoftext = smol_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    vocab = build_tokenizer_vocab(smol_tokenizer, width, stop_token_ids=[im_end, endoftext])
+    m = LLGuidanceBackend(vocab).compile("regex", r"\d+").new_matcher()
+    assert not _mask(m, width) & {im_end, endoftext}
+    assert not m.accept(endoftext) and not m.is_completed()
+    assert m.accept(_ids(smol_tokenizer, "7")[0]) and m.is_completed()
+    assert {im_end, endoftext} <= _mask(m, width)
+    assert m.accept(endoftext) and m.is_terminated()
+    assert _mask(m, width) == {im_end, endoftext}
+    assert not m.accept(_ids(smol_tokenizer, "7")[0]) and not m.accept(im_end)
+
+
+def test_stop_is_the_only_choice_once_the_grammar_is_done(smol_tokenizer, llg, width):
+    eos = smol_tokenizer.eos_token_id
+    m = llg.compile("choices", ["yes", "no"]).new_matcher()
+    assert m.accept(_ids(smol_tokenizer, "yes")[0])
+    assert _mask(m, width) == {eos} and m.is_completed() and not m.is_terminated()
+
+
+# --- rollback, forced text ------------------------------------------------------------------
+
+
+def test_rollback_restores_mask_forced_text_and_termination(smol_tokenizer, llg, width):
+    eos = smol_tokenizer.eos_token_id
+    m = llg.compile("json_schema", ORDER).new_matcher()
+    ids = _ids(smol_tokenizer, '{"id":3,"customer":{"name":"Bo"}')
+    assert _feed(m, ids) is None
+    after_mask, after_forced = _mask(m, width), m.forced_text()
+    assert after_forced == ',"status":"'
+    m.rollback(4)
+    assert _feed(m, ids[-4:]) is None
+    assert _mask(m, width) == after_mask and m.forced_text() == after_forced
+    m.rollback(len(ids))
+    assert m.forced_text() == '{"id":'
+    m.rollback(0)
+    with pytest.raises(ValueError):
+        m.rollback(-1)
+    with pytest.raises(ValueError, match="only 0"):
+        m.rollback(1)
+    m = llg.compile("regex", "ab?").new_matcher()
+    assert m.accept(_ids(smol_tokenizer, "a")[0]) and m.accept(eos) and m.is_terminated()
+    m.rollback(1)
+    assert not m.is_terminated() and m.is_completed()
+    assert m.accept(_ids(smol_tokenizer, "b")[0]) and m.accept(eos)
+    m.rollback(3)
+    assert m.forced_text() == "a" and not m.is_completed()
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "prefix", "forced"),
+    [
+        ("json_schema", ORDER, "", '{"id":'),
+        ("json_schema", ORDER, '{"id":5', ""),
+        ("json_schema", ORDER, '{"id":5,', '"customer":{"name":"'),
+        ("json_schema", ORDER, '{"id":5,"customer":{"name":"x"}', ',"status":"'),
+        ("json_schema", ORDER, '{"id":5,"customer":{"name":"x"},"status":"o', 'pen","items":['),
+        ("regex", r"id-\d+", "", "id-"),
+        ("ebnf", 'root ::= "ab" [0-9]+ "cd"', "ab1", ""),
+        ("choices", ["bluebird", "blueberry"], "", "blueb"),
+        ("choices", ["bluebird", "blueberry"], "bluebi", "rd"),
+    ],
+)
+def test_forced_text(smol_tokenizer, llg, kind, spec, prefix, forced):
+    m = llg.compile(kind, spec).new_matcher()
+    assert _feed(m, _ids(smol_tokenizer, prefix)) is None
+    assert m.forced_text() == forced
+    assert m.forced_text(2) == forced[:2] and m.forced_text(0) == ""
+
+
+def test_forced_text_waits_for_a_split_character(smol_tokenizer, llg):
+    ids = _ids(smol_tokenizer, "\U0001d11e")  # three tokens, each a part of one UTF-8 character
+    assert len(ids) == 3
+    m = llg.compile("choices", ["\U0001d11e and more"]).new_matcher()
+    assert m.forced_text() == "\U0001d11e and more"
+    assert m.accept(ids[0]) and m.forced_text() == ""
+    assert m.accept(ids[1]) and m.forced_text() == ""
+    assert m.accept(ids[2]) and m.forced_text() == " and more"
+
+
+def test_jump_forward_appends_the_forced_tokens(smol_tokenizer, llg, vocab):
+    jf = JumpForward(vocab, lambda text: smol_tokenizer.encode(text, add_special_tokens=False))
+    m = llg.compile("json_schema", ORDER).new_matcher()
+    out = _ids(smol_tokenizer, '{"id":5,"customer":{"name":"x"}')
+    assert _feed(m, out) is None
+    jump = jf.jump(m, out, 0, 100)
+    assert jump is not None and jump.new_ids
+    ids = out[:jump.keep] + list(jump.new_ids)
+    assert b"".join(vocab.decoded[t] for t in ids).decode() == '{"id":5,"customer":{"name":"x"}' + jump.text
+    assert jump.text + m.forced_text() == ',"status":"'  # the matcher took the new tokens
+
+
+# --- compiling: grammar forms, JSON layout, errors ------------------------------------------
+
+
+def test_json_layout_follows_the_config(smol_tokenizer, vocab):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"]}
+    eos = smol_tokenizer.eos_token_id
+    layouts = {GrammarConfig(json_separators=(", ", ": ")): ['{"a": 1, "b": 2}'],
+               GrammarConfig(json_any_whitespace=True): ['{"a":1,"b":2}', '{ "a" : 1,\n "b": 2 }']}
+    refused = {GrammarConfig(json_separators=(", ", ": ")): ['{"a":1,"b":2}'], GrammarConfig(json_any_whitespace=True): []}
+    for config, texts in layouts.items():
+        g = LLGuidanceBackend(vocab, config).compile("json_schema", schema)
+        for text in texts:
+            assert _feed(g.new_matcher(), _ids(smol_tokenizer, text) + [eos]) is None, text
+        for text in refused[config]:
+            assert _feed(g.new_matcher(), _ids(smol_tokenizer, text) + [eos]) is not None, text
+
+
+def test_choices_escape_anything(smol_tokenizer, llg):
+    eos = smol_tokenizer.eos_token_id
+    tricky = ['say "hi"\\n', "tab\there\nnew", "a.b*c+(d)|[e]{2}^$?/", "caf\u00e9 \u4e2d", "\x01", ""]
+    g = llg.compile("choices", tricky)
+    for c in tricky:
+        m = g.new_matcher()
+        assert _feed(m, _ids(smol_tokenizer, c) + [eos]) is None and m.is_terminated(), c
+    assert _feed(g.new_matcher(), _ids(smol_tokenizer, "a.b*c+(d)|[e]{2}^$") + [eos]) is not None
+    assert choices_to_lark(("a", '"')) == 'start: CHOICE\nCHOICE: "a" | "\\""'
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "match"),
+    [
+        ("regex", "a(b", "unclosed group"),
+        ("regex", "[z-a]", "invalid character class range"),
+        ("regex", r"\bword", "lookarounds not supported"),
+        ("json_schema", {"not": {"type": "string"}}, r'Unimplemented keys: \["not"\]'),
+        ("json_schema", {"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ("json_schema", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+        ("json_schema", {"type": "object", "properties": {"a": {}}, "required": ["a", "b"],
+                         "additionalProperties": False}, "Unsatisfiable schema"),
+        ("json_schema", {"$ref": "http://example.com/schema"}, "not present in a registry"),
+        ("json_schema", "false", "accepts no value"),
+        ("ebnf", 'root ::= "a" (= "b")', "Expected"),
+        ("ebnf", "root ::= missing", "missing"),
+        ("ebnf", "start: <|im_start|>", "special tokens"),
+        ("ebnf", 'start: "a" <[1]>', "special tokens"),
+    ],
+)
+def test_bad_specs_raise_clean_value_errors(llg, kind, spec, match):
+    with pytest.raises(ValueError, match=match) as info:
+        llg.compile(kind, spec)
+    message = str(info.value)
+    assert message.startswith(f"cannot compile {kind}: ") and "\n" not in message and len(message) < 500
+    assert not any(noise in message for noise in ("<state>", "backtrace", "start: /", "at 1("))
+    with pytest.raises(ValueError) as again:  # cached
+        llg.compile(kind, spec)
+    assert str(again.value) == message
+
+
+def test_special_tokens_are_found_outside_literals_only():
+    assert refers_to_special_tokens("start: <|im_end|>") and refers_to_special_tokens("start: x <[0-9]>")
+    assert not refers_to_special_tokens('start: "<|im_end|>" /<a\\/>/ // <b>\n# <c>\nx: %json {"pattern": "<"}')
+
+
+def test_prepare_schema_drops_unknown_formats_only(llg, smol_tokenizer):
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "format": "uri-reference"}, "b": {"type": "string", "format": "date"},
+        "format": {"type": "string", "enum": [{"format": "x"}]}}, "default": {"format": "kept"}}
+    got = prepare_schema(schema)
+    assert "format" not in got["properties"]["a"] and got["properties"]["b"]["format"] == "date"
+    assert got["properties"]["format"]["enum"] == [{"format": "x"}] and got["default"] == {"format": "kept"}
+    assert schema["properties"]["a"]["format"] == "uri-reference"  # the input is not changed
+    m = llg.compile("json_schema", {"type": "string", "format": "date"}).new_matcher()
+    assert _feed(m, _ids(smol_tokenizer, '"2024-13-01"')) is not None  # known formats are enforced
+    assert llg.compile("json_schema", {"type": "string", "format": "int32"}).kind == "json_schema"
+
+
+def test_repeated_keys_cannot_satisfy_min_properties(llg, smol_tokenizer):
+    """llguidance would take {"b":1,"b":2} for minProperties 2 (one key to a validator)."""
+    with pytest.raises(ValueError, match="'minProperties' more than one above the required properties"):
+        llg.compile("json_schema", {"type": "object", "minProperties": 2})
+    with pytest.raises(UnsupportedSchema, match=r"at /\$defs/x"):
+        prepare_schema({"$defs": {"x": {"type": "object", "patternProperties": {"^b": {}},
+                                        "additionalProperties": False, "minProperties": 3, "required": ["b1"]}}})
+    for fine in ({"type": "object", "minProperties": 1}, {"type": "object", "minProperties": 3, "required": ["a", "b"]},
+                 {"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "minProperties": 2,
+                  "additionalProperties": False}):
+        llg.compile("json_schema", fine)
+    m = llg.compile("json_schema", {"type": "object", "minProperties": 1}).new_matcher()
+    assert _feed(m, _ids(smol_tokenizer, "{}") + [smol_tokenizer.eos_token_id]) is not None
+
+
+# --- rows, engine failures, the tokenizer ---------------------------------------------------
+
+
+def test_fill_mask_rows_numpy_torch_and_bad(llg, width):
+    m = llg.compile("choices", ["yes", "no"]).new_matcher()
+    row = np.zeros(bitmask_width(width), dtype=np.int32)
+    assert m.fill_mask(row)
+    t = allocate_bitmask(1, width)[0]
+    assert m.fill_mask(t)
+    assert np.array_equal(row, t.numpy())
+    with pytest.raises(ValueError, match="int32"):
+        m.fill_mask(np.zeros(bitmask_width(width), dtype=np.int64))
+    with pytest.raises(ValueError, match="contiguous"):
+        m.fill_mask(torch.zeros(2 * bitmask_width(width), dtype=torch.int32)[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        m.fill_mask(np.zeros(bitmask_width(width) - 1, dtype=np.int32))
+
+
+def test_an_engine_failure_is_a_runtime_error(smol_tokenizer, llg, width):
+    m = llg.compile("json_schema", TOO_COMPLEX).new_matcher()
+    assert m.accept(_ids(smol_tokenizer, '"')[0])
+    with pytest.raises(RuntimeError, match="^llguidance: lexer error: too many expressions constructed$"):
+        _mask(m, width)
+
+
+def test_a_dead_end_masks_everything_out(smol_tokenizer, llg, width, vocab):
+    """U+98730 needs the byte 0xF2, which no SmolLM2 token holds: after "a" no token fits."""
+    assert not any(b"\xf2" in b for b in vocab.decoded)
+    m = llg.compile("choices", ["a\U00098730"]).new_matcher()
+    assert m.accept(_ids(smol_tokenizer, "a")[0])
+    assert _mask(m, width) == set()
+    assert not m.accept(_ids(smol_tokenizer, "b")[0]) and not m.accept(smol_tokenizer.eos_token_id)
+    assert not m.is_completed() and m.forced_text() == ""
+
+
+def test_tokenizer_must_agree_with_the_engine(vocab):
+    hello = vocab.decoded.index(b"hello")
+    with pytest.raises(ValueError, match=f"reads token {hello} as b'hello', the engine as b''"):
+        LLGuidanceBackend(dataclasses.replace(vocab, decoded=vocab.decoded[:hello] + (b"",) + vocab.decoded[hello + 1:]))
+    with pytest.raises(ValueError, match="needs a fast"):
+        LLGuidanceBackend(dataclasses.replace(vocab, hf_json=""))
+
+
+def test_strict_mode_closes_objects_that_name_their_properties(vocab, smol_tokenizer):
+    """Generation (json_strict, the default) writes only the keys a schema names, as xgrammar's
+    strict mode; without it llguidance reads the schema as a validator does."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "m": {"type": "object", "additionalProperties": {"type": "integer"}},
+                                               "free": {"type": "object"}},
+              "required": ["a"]}
+    extra, in_map, in_free = '{"a":1,"z":2}', '{"a":1,"m":{"k":1}}', '{"a":1,"free":{"k":[]}}'
+    strict = GRAMMAR_BACKENDS["llguidance"](vocab).compile("json_schema", schema)
+    loose = GRAMMAR_BACKENDS["llguidance"](vocab, GrammarConfig(json_strict=False)).compile("json_schema", schema)
+    assert _feed(strict.new_matcher(), _ids(smol_tokenizer, extra)) is not None
+    for text in (in_map, in_free):  # declared maps and free-form objects stay open
+        assert _feed(strict.new_matcher(), _ids(smol_tokenizer, text)) is None
+    assert _feed(loose.new_matcher(), _ids(smol_tokenizer, extra)) is None
+
+
+def test_close_objects_leaves_shared_objects_open():
+    parts = [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "object", "properties": {}}}}]
+    branch = {"properties": {"c": {}}}
+    schema = close_objects({"allOf": parts, "$defs": {"properties": {"properties": {"x": {}}}},
+                            "properties": {"additionalProperties": {"properties": {"y": {}}},
+                                           "z": {"properties": {"q": {}}, "anyOf": [branch]},
+                                           "r": {"$ref": "#/$defs/properties", "properties": {"w": {}}},
+                                           "s": {"properties": {"t": {}}, "required": ["t", "u"]}}})
+    assert "additionalProperties" not in parts[0] and "additionalProperties" not in parts[1]
+    assert "additionalProperties" not in schema  # an allOf beside it
+    assert schema["$defs"]["properties"]["additionalProperties"] is False  # a definition named "properties"
+    props = schema["properties"]
+    assert props["additionalProperties"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["z"] and "additionalProperties" not in branch
+    assert "additionalProperties" not in props["r"]
+    assert props["s"]["additionalProperties"] is False and props["s"]["properties"]["u"] == {}
