@@ -171,10 +171,11 @@ def structured_profile(engine: Engine) -> None:
     pstats.Stats(prof).sort_stats("cumtime").print_stats(35)
 
 
-def engine_for(tokenizer: str, cache: str) -> Engine:
+def engine_for(tokenizer: str, cache: str, grammar_backend: str | None = None) -> Engine:
+    grammar = {} if grammar_backend is None else {"grammar_backend": grammar_backend}
     engine = Engine(MODEL, device="cuda", dtype="bfloat16", tokenizer_path=tokenizer, cache=cache,
                     max_running_requests=128, chunked_prefill_size=8192, max_prefill_tokens=16384,
-                    context_length=8448)
+                    context_length=8448, **grammar)
     engine.core.warm_up()  # the server's start-up phase: every step shape's kernels compiled first
     return engine
 
@@ -284,9 +285,10 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true", help="also print the top host functions of bs64 decode")
     ap.add_argument("--structured-only", action="store_true",
                     help="only the json_schema rows, with a host profile of bs64 and its step counts")
+    ap.add_argument("--grammar-backend", default=None, help="grammar backend of --structured-only (default: the engine's)")
     args = ap.parse_args()
     if args.structured_only:
-        structured_profile(engine_for(args.tokenizer, "radix"))
+        structured_profile(engine_for(args.tokenizer, "radix", args.grammar_backend))
         return
     import transformers
     import triton

@@ -52,6 +52,7 @@ _POSITION = re.compile(r"^at \d+\(\d+\): ")
 # tokenizer's own tokens for them); masks then agree with accept() exactly, and jump-forward
 # appends forced text in the tokenizer's tokens anyway.
 _HEADER = '%llguidance {"no_forcing": true}\n'
+_ENDLESS_FORCING = "ff_tokens"  # in llguidance's error when forced text passes its item limit
 _DEAD_ENDS = frozenset({"NoExtension", "NoExtensionBias"})  # llguidance's errors for "no token fits"
 # What a Lark grammar holds besides rules: string literals, /regexes/ and comments.
 _LARK_TEXT = re.compile(r'"(?:\\.|[^"\\])*"|//[^\n]*|#[^\n]*|/(?:\\.|[^/\\\n])+/')
@@ -228,7 +229,7 @@ class LLGuidanceMatcher:
         """After llguidance wrote ``row``: raise its error, give the other stop ids EOS's bit."""
         if self._m.is_error():
             if not self._dead_end():
-                raise RuntimeError(f"llguidance: {_clean_error(self._m.get_error())}")
+                raise self._failure()
             row[:] = 0  # no token continues the text (llguidance wrote its EOS-only fallback)
             return
         if self._extra_stops and int(row[self._eos // 32]) & _bit(self._eos):
@@ -271,10 +272,17 @@ class LLGuidanceMatcher:
             self._terminated = True
         elif not self._decoded[token] or self._m.try_consume_tokens([token]) != 1:
             if self._m.is_error() and not self._dead_end():
-                raise RuntimeError(f"llguidance: {_clean_error(self._m.get_error())}")
+                raise self._failure()
             return False
         self._accepted += 1
         return True
+
+    def _failure(self) -> RuntimeError:
+        """llguidance's error, which ends this request: its matcher is broken from here."""
+        error = _clean_error(self._m.get_error())
+        if _ENDLESS_FORCING in error:
+            return RuntimeError(f"llguidance: the grammar forces text without end from here ({error})")
+        return RuntimeError(f"llguidance: {error}")
 
     def _dead_end(self) -> bool:
         """llguidance stopped where no token continues the text (say the grammar needs a byte no
@@ -301,7 +309,12 @@ class LLGuidanceMatcher:
         ends inside a character), at most ``max_chars`` characters."""
         if self._terminated or max_chars == 0:
             return ""
-        text = _utf8_prefix(self._m.compute_ff_bytes())
+        forced = self._m.compute_ff_bytes()
+        if self._m.is_error():
+            if self._dead_end():
+                return ""
+            raise self._failure()
+        text = _utf8_prefix(forced)
         return text if max_chars is None else text[:max_chars]
 
     def is_completed(self) -> bool:
@@ -397,12 +410,21 @@ class LLGuidanceBackend(CachedGrammarBackend):
         template = self._llg.LLMatcher(self._tokenizer, text, log_level=0, limits=self._limits)
         if template.is_error():
             raise ValueError(f"cannot compile {kind}: {_clean_error(template.get_error())}")
-        # The first mask finds what the build does not: a grammar that accepts no text at all
-        # (a $ref loop), a lexer that gives up at once.
+        # The first mask and forced text find what the build does not: a grammar that accepts
+        # no text at all (a $ref loop), one that forces text without end (an object that
+        # requires itself), a lexer that gives up at once.
         probe = template.deep_copy()
         probe.compute_bitmask()
+        forced = b"" if probe.is_error() else probe.compute_ff_bytes()
+        if forced and not probe.is_error():  # taking a token computes what is forced after it
+            probe.try_consume_tokens(self._tokenizer.tokenize_bytes(forced[:16])[:1])
         if probe.is_error():
             error = _clean_error(probe.get_error())
-            reason = error if " " in error else f"no text satisfies it (llguidance stopped: {error})"
+            if " " not in error:  # an error name: no token can start the text
+                reason = f"it accepts no finite text (llguidance stopped: {error})"
+            elif _ENDLESS_FORCING in error:
+                reason = f"it accepts no finite text: the text it forces from the start has no end ({error})"
+            else:
+                reason = error
             raise ValueError(f"cannot compile {kind}: {reason}")
         return LLGuidanceGrammar(kind, template, self._executor, self.vocab)

@@ -37,9 +37,11 @@ def backend(request, xgr_backend, llg_backend):
 
 
 @pytest.mark.parametrize(("kind", "spec"), ENDLESS)
-def test_grammar_with_no_finite_text_is_refused(xgr_backend, kind, spec):
+def test_grammar_with_no_finite_text_is_refused(backend, kind, spec):
+    """xgrammar: by the analysis of limits.grammar_bounds; llguidance: its first mask finds no
+    token, or the text it forces from the start passes its item limit."""
     with pytest.raises(ValueError, match="accepts no finite text"):
-        xgr_backend.compile(kind, spec)
+        backend.compile(kind, spec)
 
 
 def test_dead_branch_is_refused(xgr_backend):
@@ -58,22 +60,16 @@ def test_exponentially_long_shortest_text_is_refused(xgr_backend):
         xgr_backend.compile("ebnf", "\n".join(rules))
 
 
-@pytest.mark.parametrize(("kind", "spec"), [e for e in ENDLESS if e[1] != json.dumps(ONLY_ITSELF)])
-def test_llguidance_bounds_the_forced_text_of_endless_grammars(llg_backend, kind, spec):
-    """llguidance compiles these (generation under them runs to its length limit), but the text it
-    forces is finite and cut to what was asked for."""
-    m = llg_backend.compile(kind, spec).new_matcher()
-    forced = m.forced_text()
-    assert 1000 < len(forced) <= 100_000
-    assert m.forced_text(MAX_JUMP_CHARS) == forced[:MAX_JUMP_CHARS]
-    assert not m.is_completed()
-
-
-def test_llguidance_refuses_a_schema_that_is_only_a_reference_to_itself(llg_backend):
-    """``{"$ref": "#"}`` is any value to a validator, but llguidance builds a grammar with no text
-    (its first mask finds no token): refused when it compiles, never a request stuck at step one."""
-    with pytest.raises(ValueError, match="^cannot compile json_schema: no text satisfies it"):
-        llg_backend.compile("json_schema", ONLY_ITSELF)
+def test_llguidance_ends_a_request_whose_grammar_forces_text_without_end_later(llg_backend, smol_tokenizer):
+    """Past a choice, a branch that forces text forever (xgrammar's analysis refuses the grammar):
+    llguidance stops at its item limit, and the matcher's error ends that request alone."""
+    m = llg_backend.compile("ebnf", 'root ::= "b" | "a" x\nx ::= "a" x').new_matcher()
+    assert m.forced_text() == ""  # a choice first
+    a = smol_tokenizer.encode("a", add_special_tokens=False)[0]
+    assert m.accept(a)
+    assert len(m.forced_text(MAX_JUMP_CHARS)) == MAX_JUMP_CHARS  # what jump-forward asks after a token
+    with pytest.raises(RuntimeError, match="forces text without end"):
+        m.accept(a)
 
 
 def test_llguidance_refuses_an_exponentially_large_grammar(llg_backend):
