@@ -177,6 +177,11 @@ class GrammarBackend(Protocol):
         """Cache ``message`` as the outcome of compiling ``(kind, spec)``."""
         ...
 
+    def cached(self, kind: str, spec: Any) -> Grammar | None:
+        """The grammar for ``(kind, spec)`` if it is cached; ValueError if its compile failed;
+        None when it must be compiled."""
+        ...
+
 
 def _json_dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
@@ -520,6 +525,17 @@ class CachedGrammarBackend:
         except ValueError as e:
             result = CompileFailure(str(e))
         return _grammar_or_raise(self._keep(key, result))
+
+    def cached(self, kind: str, spec: Any) -> Grammar | None:
+        """The grammar for ``(kind, spec)`` if it is cached (ValueError if its compile failed),
+        else None: a request whose grammar is known starts without a trip to the compile pool."""
+        key, _ = normalize_spec(kind, spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is None:
+                return None
+            self._cache.move_to_end(key)
+        return _grammar_or_raise(hit)
 
     def check_schema(self, schema: Any) -> Any:
         """The schema to compile for ``schema`` (parsed JSON): as is, or narrowed, or

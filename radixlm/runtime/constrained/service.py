@@ -59,7 +59,16 @@ class GrammarService:
             check_spec(kind, norm, self.backend.config.limits)
         except ValueError as e:
             raise ValueError(f"{ERROR_PREFIX} {e}") from None
-        return self._pool.submit(self._compile, kind, spec)
+        known: Future[Grammar] = Future()
+        try:
+            grammar = self.backend.cached(kind, spec)
+        except ValueError as e:  # compiled before, and failed: fails again at once
+            known.set_exception(ValueError(f"{ERROR_PREFIX} {e}"))
+            return known
+        if grammar is None:
+            return self._pool.submit(self._compile, kind, spec)
+        known.set_result(grammar)
+        return known
 
     def _compile(self, kind: str, spec: Any) -> Grammar:
         try:
