@@ -96,8 +96,10 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 def _sampling_flag(kind: str) -> dict[str, Any]:
     if kind == "bool":
         return {"type": _parse_bool, "nargs": "?", "const": True}  # --flag alone means true
-    if kind in ("stop", "choices", "token_ids"):
+    if kind in ("stop", "stop_regex", "choices", "token_ids"):
         return {"type": int if kind == "token_ids" else str, "action": "append"}  # repeat the flag for more
+    if kind == "logit_bias":
+        return {"type": json.loads}  # a JSON object, e.g. '{"42": 5.0}'
     return {"type": {"int": int, "float": float, "seed": int}.get(kind, str)}
 
 

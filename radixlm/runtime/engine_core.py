@@ -192,6 +192,9 @@ class EngineCore:
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:  # (blocked as an end token before min_new_tokens, it would fail a whole step)
             raise ValueError(f"stop_token_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias holds token id {bad}, outside the vocabulary [0, {vocab})")
         if sub.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {sub.top_logprobs_num}")
         req = EngineRequest(
@@ -199,7 +202,7 @@ class EngineCore:
             logprob_start_len=sub.logprob_start_len if sub.return_logprob else -1,
             detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                          params.spaces_between_special_tokens, prompt_ids[-4:]),
-            stop=StopMatcher(params.stop, keep_stop=params.no_stop_trim),
+            stop=StopMatcher(params.stop, keep_stop=params.no_stop_trim, regexes=params.stop_regex),
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
             generator=None if params.is_greedy else make_generator(_seed(params)),
             return_logprob=sub.return_logprob, top_logprobs_num=sub.top_logprobs_num,

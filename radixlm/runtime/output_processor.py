@@ -16,6 +16,7 @@ from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.request import EngineRequest
 from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.stop import StopRegexTimeout
 
 
 @dataclass
@@ -85,7 +86,10 @@ class OutputProcessor:
                 req.output_logprobs.append((logprobs[i], tok))
                 if req.top_logprobs_num and top_logprobs is not None:
                     req.output_top_logprobs.append([(lp, t) for t, lp in top_logprobs[i]])
-            results.append(self._advance(req, tok))
+            try:
+                results.append(self._advance(req, tok))
+            except StopRegexTimeout as e:  # a pattern too slow to search ends its request only
+                results.append(self.fail(req, str(e)))
         return results
 
     def _advance(self, req: EngineRequest, tok: int) -> RequestOutput:
@@ -98,6 +102,8 @@ class OutputProcessor:
             if req.matched_stop is None and matched is None and req.matcher is not None:
                 try:
                     forced, matched, done = self._grammar_advance(req)
+                except StopRegexTimeout:
+                    raise
                 except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
                     return self.fail(req, self.grammar.engine_error("jumping forward", e))
                 delta += forced

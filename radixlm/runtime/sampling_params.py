@@ -19,18 +19,33 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixlm.runtime.stop import MAX_STOP_REGEXES, compile_stop_regex
+
 MAX_STOP_STRINGS = 32
+MAX_LOGIT_BIAS = 4096  # tokens one request may bias
+MAX_LOGIT_BIAS_VALUE = 1e9  # |bias|: finite in fp32 next to any logit, and -inf (masked) + bias stays -inf
 # Temperatures below this decode greedily: dividing logits by a tinier value risks overflow,
 # and the distribution is a point mass in fp32 anyway (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Above this the distribution is uniform in fp32 anyway; far above it logits / T underflow and
 # T * x overflows (1e300 made EOS sampleable inside min_new_tokens: issue 21).
 MAX_TEMPERATURE = 100.0
-CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices", "structural_tag")
+# SGLang's names for parameters declared here under another name.
+ALIASES: dict[str, str] = {"sampling_seed": "seed"}
+# SGLang sampling parameters of features this runtime lacks: accepted when empty (null, {}, or
+# the value that turns them off), else a ValueError saying why.
+EMPTY_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "custom_params": ((None, {}), "it holds arguments for custom logit processors, which this server does not run"),
+    "watermark": ((None, {}), "this server does not watermark outputs"),
+    "beam_width": ((None, 1), "this server does not run beam search"),
+}
 
 # int, float, bool: scalars; seed: an int or null; text: a string or null; stop: strings;
-# token_ids: token ids; schema: a JSON schema (text, dict or Pydantic model); choices: strings.
-Kind = Literal["int", "float", "bool", "seed", "text", "stop", "token_ids", "schema", "choices"]
+# stop_regex: regular expressions; token_ids: token ids; logit_bias: {token id: bias};
+# schema: a JSON schema (text, dict or Pydantic model); choices: strings.
+Kind = Literal["int", "float", "bool", "seed", "text", "stop", "stop_regex", "token_ids", "logit_bias", "schema",
+               "choices"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +104,9 @@ class SamplingParams:
     ``top_k == 1`` means greedy.
     ``stop`` / ``stop_token_ids`` accept a str / list and are stored as tuples;
     ``json_schema`` accepts a dict or a Pydantic model class and is stored as compact JSON text;
-    ``choices`` (a list of strings: the output is exactly one of them) is stored as a tuple.
+    ``choices`` (a list of strings: the output is exactly one of them) is stored as a tuple;
+    ``logit_bias`` accepts ``{token id (int or decimal text): bias}`` and is stored as sorted
+    ``(id, bias)`` pairs; an empty ``structural_tag`` is unset (as SGLang).
     """
 
     max_new_tokens: int = _param(128, "most tokens to generate; 0: prefill only (scores the prompt)", "int",
@@ -112,6 +129,9 @@ class SamplingParams:
     stop: tuple[str, ...] = _param((), f"strings that end the output (at most {MAX_STOP_STRINGS}); "
                                        "not included unless no_stop_trim", "stop", dsl=True)
     stop_token_ids: tuple[int, ...] = _param((), "token ids that end the output", "token_ids", dsl=True)
+    stop_regex: tuple[str, ...] = _param((), f"regular expressions that end the output at their first match (at most "
+                                             f"{MAX_STOP_REGEXES}, 256 bytes each); the match is not included unless "
+                                             "no_stop_trim", "stop_regex", openai=None)
     ignore_eos: bool = _param(False, "keep generating past the end-of-sequence token", "bool", dsl=True)
     skip_special_tokens: bool = _param(True, "leave special tokens out of the output text", "bool")
     spaces_between_special_tokens: bool = _param(True, "put spaces between special tokens in the output text",
@@ -127,8 +147,15 @@ class SamplingParams:
     ebnf: str | None = _param(None, "the output is in this EBNF grammar", "text")
     choices: tuple[str, ...] | None = _param(None, "the output is exactly one of these strings", "choices",
                                              openai=None)
+    structural_tag: str | None = _param(None, "SGLang's structural tag (its JSON object or text): free text with "
+                                              "triggered JSON sections", "schema", openai=None)
     jump_forward: bool = _param(True, "emit the text a grammar forces without a forward pass", "bool",
                                 openai=None)
+    logit_bias: tuple[tuple[int, float], ...] = _param(
+        (), f"{{token id: bias}}: each bias (|bias| <= {MAX_LOGIT_BIAS_VALUE:g}) is added to its token's logit before "
+            f"sampling (at most {MAX_LOGIT_BIAS} tokens)", "logit_bias", openai=None)
+    stream_interval: int = _param(1, "a stream sends a chunk every this many output tokens (and at the end)", "int",
+                                  lo=1, openai=None)
 
     def __post_init__(self) -> None:
         for name, p in PARAMS.items():
@@ -166,6 +193,7 @@ class SamplingParams:
             return cls()
         if not isinstance(d, Mapping):
             raise ValueError(f"sampling_params must be an object/dict, got {type(d).__name__}")  # noqa: TRY004
+        d = _resolve_sglang_names(d)
         check_names(d, "unknown sampling parameter {name!r}; valid keys: {valid}")
         return cls(**{key: value for key, value in d.items() if value is not None})
 
@@ -174,6 +202,8 @@ class SamplingParams:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["stop_regex"] = list(self.stop_regex)
+        out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
         if self.choices is not None:
             out["choices"] = list(self.choices)
         return out
@@ -196,6 +226,24 @@ class SamplingParams:
 # The declaration: every sampling parameter's Param, in field order.
 PARAMS: dict[str, Param] = {f.name: f.metadata["param"] for f in dataclasses.fields(SamplingParams)}
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+
+def _resolve_sglang_names(d: Mapping[str, Any]) -> dict[str, Any]:
+    """``d`` with SGLang's aliases under their names here and its empty-only keys checked and dropped."""
+    out = dict(d)
+    for key, (empty, why) in EMPTY_ONLY.items():
+        v = out.pop(key, None)
+        if not any(v is e or (type(v) is type(e) and v == e) for e in empty):
+            raise ValueError(f"{key} is not supported: {why}; send null (got {v!r})")
+    for alias, name in ALIASES.items():
+        v = out.pop(alias, None)
+        if v is None:
+            continue
+        if out.get(name) is not None and out[name] != v:
+            raise ValueError(f"{alias} and {name} are the same parameter ({alias} is SGLang's name); "
+                             f"give one, or equal values (got {v!r} and {out[name]!r})")
+        out[name] = v
+    return out
 
 
 def check_names(values: Mapping[str, Any], message: str) -> None:
@@ -240,11 +288,50 @@ def normalize_value(name: str, p: Param, v: Any) -> Any:
         if isinstance(v, (list, tuple, set, frozenset)):
             return tuple(v)
         raise ValueError(f"{name} must be a list of ints, got {type(v).__name__}")
+    if p.kind == "stop_regex":
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            return (v,)
+        if isinstance(v, (list, tuple)):
+            return tuple(v)
+        raise ValueError(f"{name} must be a string or a list of strings, got {type(v).__name__}")
+    if p.kind == "logit_bias":
+        return _logit_bias(name, v)
     if p.kind == "schema":
+        if name == "structural_tag" and v == "":
+            return None  # SGLang: an empty structural tag is unset
         return _schema_text(name, v)
     if p.kind == "choices" and isinstance(v, (list, tuple)):
         return tuple(v)
     return v
+
+
+def _logit_bias(name: str, v: Any) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or decimal text, as JSON keys are) -> sorted (id, bias) pairs."""
+    if v is None:
+        return ()
+    if isinstance(v, tuple) and all(isinstance(e, tuple) and len(e) == 2 for e in v):
+        v = dict(v)  # already stored
+    if not isinstance(v, Mapping):
+        raise ValueError(f"{name} must be an object {{token id: bias}}, got {type(v).__name__}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"{name} may bias at most {MAX_LOGIT_BIAS} tokens, got {len(v)}")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if _is_int(key) and key >= 0:
+            tid = key
+        elif isinstance(key, str) and key.isascii() and key.isdigit():
+            tid = int(key)
+        else:
+            raise ValueError(f"{name} keys must be token ids (ints >= 0, or their decimal text), got {key!r}")
+        if not _is_real(bias) or not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS_VALUE:
+            raise ValueError(f"{name}[{key!r}] must be a number in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                             f"{MAX_LOGIT_BIAS_VALUE:g}], got {bias!r}")
+        if tid in out:
+            raise ValueError(f"{name} gives token id {tid} twice")
+        out[tid] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _schema_text(name: str, v: Any) -> Any:
@@ -290,3 +377,12 @@ def check_value(name: str, p: Param, v: Any) -> None:
         for t in v:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"{name} must be ints >= 0, got {t!r}")
+    if p.kind == "stop_regex":
+        if len(v) > MAX_STOP_REGEXES:
+            raise ValueError(f"{name} accepts at most {MAX_STOP_REGEXES} patterns, got {len(v)}")
+        for i, r in enumerate(v):
+            if not isinstance(r, str) or not r:
+                raise ValueError(f"{name} must contain only non-empty strings, got {r!r}")
+            compiled = compile_stop_regex(r, f"{name}[{i}]" if len(v) > 1 else name)
+            if compiled.search("") is not None:
+                raise ValueError(f"{name} {r!r} matches the empty text, so it would end every output at once")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -198,3 +199,38 @@ def test_bad_input_raises_clear_errors(engine):
     with pytest.raises(ValueError, match="exactly one of"):
         engine.generate()
     engine.core.check_idle_integrity()
+
+
+def test_stop_regex_cuts_at_the_first_match_and_streams_hold_it_back(engine):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    full = engine.generate(chat, {"temperature": 0, "max_new_tokens": 32})["text"]
+    pattern = r"Par\w+"
+    m = re.search(pattern, full)
+    assert m is not None, full
+    p = {"temperature": 0, "max_new_tokens": 32, "stop_regex": pattern}
+    cut = engine.generate(chat, p)
+    assert cut["text"] == full[: m.start()]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    kept = engine.generate(chat, {**p, "no_stop_trim": True})["text"]
+    assert kept.startswith(cut["text"]) and re.fullmatch(pattern, kept[len(cut["text"]):])
+    chunks = list(engine.stream(chat, p))
+    assert "".join(c["text"] for c in chunks) == cut["text"]
+    engine.core.check_idle_integrity()
+
+
+def test_logit_bias_forces_and_bans_tokens(engine):
+    target = engine.encode(" banana")[-1]
+    prompt = "The capital of France is"
+    forced = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 3, "logit_bias": {str(target): 100}})
+    assert forced["output_ids"] == [target] * 3
+    sampled = engine.generate(prompt, {"temperature": 1, "seed": 5, "max_new_tokens": 3, "logit_bias": {target: 100}})
+    assert sampled["output_ids"] == [target] * 3
+    first = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 1})["output_ids"][0]
+    assert engine.generate(prompt, {"temperature": 0, "max_new_tokens": 1,
+                                    "logit_bias": {first: -1e9}})["output_ids"][0] != first
+    with pytest.raises(ValueError, match="logit_bias holds token id"):
+        engine.generate(prompt, {"logit_bias": {10**7: 1.0}})
+    # SGLang's sampling_seed is the seed
+    seeded = {"temperature": 1, "max_new_tokens": 8}
+    assert (engine.generate(prompt, {**seeded, "sampling_seed": 3})["output_ids"]
+            == engine.generate(prompt, {**seeded, "seed": 3})["output_ids"])

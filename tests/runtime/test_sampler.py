@@ -327,3 +327,32 @@ def test_draws_do_not_depend_on_the_batch_or_the_loop():
     alone = [sample(logits[i : i + 1], build([p[i]], logits[i : i + 1], gens=[make_generator(i)])).token_ids[0]
              for i in range(3)]
     assert together == alone
+
+
+def test_logit_bias_is_added_per_row_after_penalties_and_before_blocks():
+    logits = rand_logits(3, 10, seed=5)
+    params = [SP(logit_bias={2: 1.5, "7": -2.0}), SP(), SP(logit_bias={0: 100.0}, temperature=0.7, seed=1)]
+    batch = build(params, logits, blocks=[[7], [], [0]])
+    out = apply_penalties_and_blocks(logits, batch)
+    expected = logits.clone()
+    expected[0, 2] += 1.5
+    expected[0, 7] = float("-inf")  # min_new_tokens blocks win over a bias
+    expected[2, 0] = float("-inf")
+    assert torch.equal(out, expected)
+    assert build([SP()], logits[:1]).bias_rows is None  # no bias: no tensors, the fast path stays
+
+
+def test_a_big_logit_bias_forces_its_token_greedy_and_sampled():
+    logits = rand_logits(2, 50, seed=9)
+    params = [SP(temperature=0, logit_bias={13: 1e4}), SP(temperature=1.0, top_p=0.9, logit_bias={"21": 1e4})]
+    for _ in range(5):
+        tokens = sample(logits, build(params, logits, gens=[None, make_generator(4)])).token_ids
+        assert tokens == [13, 21]
+    masked = logits.clone()
+    masked[0, 13] = float("-inf")  # a grammar's mask: the bias cannot bring a banned token back
+    assert sample(masked[:1], build(params[:1], masked[:1])).token_ids[0] != 13
+
+
+def test_logit_bias_outside_the_vocab_is_refused():
+    with pytest.raises(ValueError, match="logit_bias token id 60"):
+        build([SP(logit_bias={60: 1.0})], vocab=50)

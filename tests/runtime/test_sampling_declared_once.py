@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 from typing import Any
 
 import jsonschema
@@ -15,7 +16,16 @@ import pytest
 import radixlm as rl
 from radixlm.cli import build_parser, generate_params
 from radixlm.lang.frontend.sampling import SamplingArgs
-from radixlm.runtime.sampling_params import CONSTRAINT_FIELDS, DEFAULTS, PARAMS, Param, SamplingParams, check_fields
+from radixlm.runtime.sampling_params import (
+    ALIASES,
+    CONSTRAINT_FIELDS,
+    DEFAULTS,
+    EMPTY_ONLY,
+    PARAMS,
+    Param,
+    SamplingParams,
+    check_fields,
+)
 from radixlm.runtime.server import openai_api
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.openapi import openapi_spec
@@ -37,13 +47,14 @@ def other_value(name: str, openai: bool = False) -> Any:
         hi = p.openai_hi if openai and p.openai_hi is not None else p.hi
         return (lo + 3 * hi) / 4 if hi is not None else lo + 0.5
     return {"bool": not DEFAULTS[name], "seed": 7, "text": "a+", "stop": ["zz"], "token_ids": [5],
-            "schema": '{"type":"object"}', "choices": ["yes", "no"]}[p.kind]
+            "schema": '{"type":"object"}', "choices": ["yes", "no"], "stop_regex": ["z+"],
+            "logit_bias": {"5": 2.5}}[p.kind]
 
 
 def bad_value(name: str) -> Any:
     """A value of the wrong type for parameter ``name``."""
     return {"int": "x", "float": "x", "bool": "x", "seed": 1.5, "text": 5, "stop": 3, "token_ids": "x",
-            "schema": 5, "choices": 5}[PARAMS[name].kind]
+            "schema": 5, "choices": 5, "stop_regex": 3, "logit_bias": [1]}[PARAMS[name].kind]
 
 
 def stored(name: str, value: Any) -> Any:
@@ -91,7 +102,8 @@ def test_the_openapi_schema_describes_every_field_from_the_declaration():
     spec = openapi_spec(ServerSettings())
     schemas = spec["components"]["schemas"]
     native = schemas["SamplingParams"]["properties"]
-    assert list(native) == list(NAMES)
+    assert list(native)[: len(NAMES)] == list(NAMES)  # then SGLang's aliases and empty-only keys
+    assert set(native) - set(NAMES) == set(ALIASES) | set(EMPTY_ONLY)
     for name in NAMES:
         one = native[name]["anyOf"][0]
         assert one["description"] == PARAMS[name].help
@@ -148,7 +160,7 @@ def test_the_cli_has_a_flag_for_every_field():
         flag = dests[f"sampling.{name}"].option_strings[0]
         value = other_value(name)
         for v in value if isinstance(value, list) else [value]:
-            argv += [flag, str(v)]
+            argv += [flag, json.dumps(v) if isinstance(v, dict) else str(v)]
     params = generate_params(build_parser().parse_args(argv))
     for name in NAMES:
         if name not in CONSTRAINT_FIELDS or name == "regex":

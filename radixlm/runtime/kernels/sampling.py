@@ -8,9 +8,11 @@ Pipeline per row, in this order (all in fp32):
      positive and multiplied by it when negative;
    - frequency / presence (OpenAI): ``logit -= count * frequency_penalty
      + (count > 0) * presence_penalty``;
-2. min_new_tokens: the caller's ``eos_ids_to_block`` tokens are set to ``-inf``;
-3. greedy rows (``SamplingParams.is_greedy``) take the argmax here, deterministically;
-4. sampled rows: divide by temperature, softmax, then top-k, top-p (on the top-k-renormalized
+2. logit_bias (SGLang's / OpenAI's): each ``{token: bias}`` is added to that token's logit (a
+   grammar's ``-inf`` stays ``-inf``);
+3. min_new_tokens: the caller's ``eos_ids_to_block`` tokens are set to ``-inf``;
+4. greedy rows (``SamplingParams.is_greedy``) take the argmax here, deterministically;
+5. sampled rows: divide by temperature, softmax, then top-k, top-p (on the top-k-renormalized
    distribution, as HF/vLLM), min-p (relative to the top probability), and draw one token.
    The top-1 token always survives the filters, so a row never becomes empty or NaN.
 
@@ -25,7 +27,7 @@ it ahead of the host); ``sample`` adds the copy to the host and the logprobs.
 Temperatures are capped at ``MAX_TEMPERATURE`` (past it the distribution is uniform in fp32
 anyway; an infinite one would turn blocked ``-inf`` logits into NaN).
 
-Logprobs are ``log_softmax`` of the RAW logits (before penalties, temperature and filters),
+Logprobs are ``log_softmax`` of the RAW logits (before penalties, biases, temperature and filters),
 in fp32. This is vLLM's default (``raw_logprobs``) and SGLang's greedy path; note that recent
 SGLang reports temperature-scaled logprobs for sampled rows unless
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
@@ -107,6 +109,10 @@ class SamplingBatch:
     # -- min_new_tokens masking (None when nothing is blocked) --
     block_rows: torch.Tensor | None
     block_tokens: torch.Tensor | None
+    # -- logit_bias, one entry per (row, token) (None when no row has one) --
+    bias_rows: torch.Tensor | None = None  # (L,) int64
+    bias_tokens: torch.Tensor | None = None  # (L,) int64
+    bias_values: torch.Tensor | None = None  # (L,) fp32
 
     @classmethod
     def build(
@@ -215,6 +221,22 @@ class SamplingBatch:
                 block_rows = _tensor(br, torch.int64, device)
                 block_tokens = _tensor(bt, torch.int64, device)
 
+        bias_rows = bias_tokens = bias_values = None
+        if any(p.logit_bias for p in params):
+            lr: list[int] = []
+            lt: list[int] = []
+            lv: list[float] = []
+            for i, p in enumerate(params):
+                for t, bias in p.logit_bias:
+                    if not 0 <= t < vocab_size:
+                        raise ValueError(f"logit_bias token id {t} of row {i} is outside the vocab [0, {vocab_size})")
+                    lr.append(i)
+                    lt.append(t)
+                    lv.append(bias)
+            bias_rows = _tensor(lr, torch.int64, device)
+            bias_tokens = _tensor(lt, torch.int64, device)
+            bias_values = _tensor(lv, torch.float32, device)
+
         return cls(
             batch_size=b,
             vocab_size=vocab_size,
@@ -241,15 +263,18 @@ class SamplingBatch:
             presence_penalties=pres,
             block_rows=block_rows,
             block_tokens=block_tokens,
+            bias_rows=bias_rows,
+            bias_tokens=bias_tokens,
+            bias_values=bias_values,
         )
 
 
 def apply_penalties_and_blocks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Steps 1-2: fp32 logits after penalties and min_new_tokens blocking.
+    """Steps 1-3: fp32 logits after penalties, logit biases and min_new_tokens blocking.
 
     Never modifies ``logits``; returns it cast to fp32 (a new tensor if anything changed).
     """
-    if not batch.need_penalties and batch.block_rows is None:
+    if not batch.need_penalties and batch.block_rows is None and batch.bias_rows is None:
         return logits.float()
     x = logits.to(torch.float32, copy=True)
     if batch.need_penalties:
@@ -261,6 +286,9 @@ def apply_penalties_and_blocks(logits: torch.Tensor, batch: SamplingBatch) -> to
         v = torch.where(v > 0, v / rp, v * rp)
         v = v - counts * freq - pres
         x[r, t] = v
+    if batch.bias_rows is not None:
+        assert batch.bias_tokens is not None and batch.bias_values is not None
+        x[batch.bias_rows, batch.bias_tokens] += batch.bias_values  # (row, token) pairs are distinct
     if batch.block_rows is not None:
         x[batch.block_rows, batch.block_tokens] = _NEG_INF
     return x
@@ -356,7 +384,7 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         raise ValueError(
             f"logits have {logits.shape[1]} columns, the batch was built for {batch.vocab_size}"
         )
-    if not batch.need_penalties and batch.block_rows is None and batch.all_greedy:
+    if not batch.need_penalties and batch.block_rows is None and batch.bias_rows is None and batch.all_greedy:
         # Fast path: argmax is exact in the input dtype, no cast needed.
         return logits.argmax(dim=-1)
     x = apply_penalties_and_blocks(logits, batch)

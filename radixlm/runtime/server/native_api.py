@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from radixlm.runtime.constrained import GRAMMAR_KINDS
 from radixlm.runtime.intake import PromptRequest, Submission
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.context import CONTEXT, ServerContext
@@ -28,10 +29,24 @@ log = logging.getLogger("radixlm.server")
 
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
                    "top_logprobs_num", "return_text_in_logprobs", "stream", "session_params", "plain_text_spans")
-# SGLang fields for features this server lacks: accepted only when empty, so its clients work unchanged.
-GENERATE_UNSUPPORTED = ("image_data", "audio_data", "video_data", "input_embeds", "lora_path",
-                        "custom_logit_processor", "return_hidden_states", "token_ids_logprob", "modalities")
-GENERATE_IGNORED = ("log_metrics",)
+# SGLang's GenerateReqInput fields for features this server lacks: accepted only when empty (null,
+# false, 0, [], {}, ""), so its clients work unchanged; set, they are a 400 naming the field.
+GENERATE_UNSUPPORTED = (
+    "image_data", "audio_data", "video_data", "input_embeds", "lora_path", "lora_id", "custom_logit_processor",
+    "return_hidden_states", "token_ids_logprob", "modalities", "mm_hashes", "mm_content_hashes",
+    "use_audio_in_video", "video_config", "watermark", "return_sampling_mask", "sampling_logprobs_mode",
+    "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+    "return_routed_experts", "routed_experts_start_len", "return_indexer_topk", "positional_embed_overrides",
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank",
+    "data_parallel_rank", "disagg_prefill_dp_rank", "background", "require_reasoning", "max_thinking_tokens",
+    "extra_key", "cache_salt", "return_bytes", "return_entropy", "return_prompt_token_ids", "max_dynamic_patch",
+    "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config",
+    "mm_processor_kwargs", "multi_item_delimiter_indices", "token_indices_to_pool", "kv_hints",
+)
+# SGLang fields that only label a request (metrics, logs, tracing, routing between replicas): accepted and
+# without effect here.
+GENERATE_IGNORED = ("log_metrics", "session_id", "conversation_id", "routing_key", "priority", "no_logs",
+                    "custom_labels", "external_trace_header", "received_time")
 TOKENIZE_FIELDS = ("prompt", "add_special_tokens", "model")  # SGLang's /tokenize request
 DETOKENIZE_FIELDS = ("tokens", "skip_special_tokens", "model")  # SGLang's /detokenize request
 HEALTH_GENERATE_TIMEOUT = 30.0
@@ -43,13 +58,16 @@ class GenerateSpec:
     single: bool  # one prompt, n == 1: the response is an object, not a list
     stream: bool
     text_in_logprobs: bool
+    stream_intervals: list[int]  # per job: send a stream chunk every this many output tokens
 
 
 def routes() -> list[web.RouteDef]:
     return [
         web.post("/generate", generate),
         web.get("/get_model_info", get_model_info),
+        web.get("/model_info", get_model_info),  # SGLang's current name
         web.get("/get_server_info", get_server_info),
+        web.get("/server_info", get_server_info),  # SGLang's current name; its frontend calls this one
         web.get("/health", health),
         web.get("/health_generate", health_generate),
         web.post("/flush_cache", flush_cache),
@@ -104,6 +122,9 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max
             sp = SamplingParams.from_dict(params[i])
         except ValueError as e:
             raise ApiError(400, f"invalid sampling_params: {e}", param="sampling_params") from None
+        if sp.structural_tag is not None and "structural_tag" not in GRAMMAR_KINDS:
+            raise ApiError(400, "invalid sampling_params: structural_tag is not supported by this server yet; "
+                                "constrain the output with json_schema, regex or ebnf", param="sampling_params")
         specs.append(PromptRequest(
             rid=rids[i],
             prompt_ids=ids,
@@ -124,6 +145,7 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max
         single=single and len(jobs) == 1,
         stream=get_bool(body, "stream"),
         text_in_logprobs=get_bool(body, "return_text_in_logprobs"),
+        stream_intervals=[job.request.params.stream_interval for job in jobs],
     )
 
 
@@ -217,6 +239,7 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
     texts, ids = [""] * n, [list[int]() for _ in range(n)]
     lps: list[list[Any]] = [[] for _ in range(n)]
     tops: list[list[Any]] = [[] for _ in range(n)]
+    sent = [0] * n  # output tokens each job had at its last chunk (stream_interval)
     it = events.__aiter__()
     first: Event = await it.__anext__()
     if first.error is not None:
@@ -240,7 +263,10 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
                 tops[i].extend(out.meta.get("output_top_logprobs", ()))
                 meta = _partial_meta(spec.jobs[i].request, len(ids[i]), lps[i], tops[i], tok,
                                      spec.text_in_logprobs)
-            if out.finished or out.text_delta or out.token_ids_delta:
+            # as SGLang: the first tokens at once (time to first token), then every stream_interval tokens
+            due = sent[i] == 0 or len(ids[i]) - sent[i] >= spec.stream_intervals[i]
+            if out.finished or (due and (out.text_delta or out.token_ids_delta)):
+                sent[i] = len(ids[i])
                 chunk: dict[str, Any] = {"text": texts[i], "output_ids": ids[i], "meta_info": meta}
                 if not spec.single:
                     chunk["index"] = i

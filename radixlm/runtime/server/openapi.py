@@ -11,10 +11,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.runtime.sampling_params import DEFAULTS, MAX_STOP_STRINGS, PARAMS, Param
-from radixlm.runtime.server.native_api import GENERATE_UNSUPPORTED
+from radixlm.runtime.sampling_params import (
+    ALIASES,
+    DEFAULTS,
+    EMPTY_ONLY,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_STOP_STRINGS,
+    PARAMS,
+    Param,
+)
+from radixlm.runtime.server.native_api import GENERATE_IGNORED, GENERATE_UNSUPPORTED
 from radixlm.runtime.server.openai_api import IGNORED_FIELDS, MAX_N, SAMPLING_FIELDS, UNSUPPORTED_FIELDS
 from radixlm.runtime.server.settings import ServerSettings
+from radixlm.runtime.stop import MAX_STOP_REGEXES
 
 Schema = dict[str, Any]
 
@@ -66,9 +76,14 @@ ANY_JSON: Schema = {}
 def _sampling_params() -> Schema:
     """radixlm.runtime.sampling_params.SamplingParams, SGLang's native sampling_params: from its declaration."""
     props = {name: _opt(sampling_schema(p, DEFAULTS[name])) for name, p in PARAMS.items()}
+    for alias, name in ALIASES.items():  # SGLang's spellings
+        props[alias] = _opt({**sampling_schema(PARAMS[name]), "description": f"SGLang's name for {name}"})
+    for name, (empty, why) in EMPTY_ONLY.items():
+        props[name] = {"enum": list(empty), "description": f"SGLang's; accepted only as {empty[-1]!r} or null: {why}"}
     return _obj(props, closed=True, description=(
-        "Unknown keys are a 400. At most one of regex, json_schema, ebnf, choices. A constraint the "
-        "grammar engine cannot compile is a 400 naming it."))
+        "Unknown keys are a 400. At most one of regex, json_schema, ebnf, choices, structural_tag "
+        "(structural_tag is not supported yet: a 400). A constraint the grammar engine cannot compile is a "
+        "400 naming it."))
 
 
 def sampling_schema(p: Param, default: Any = None, openai: bool = False) -> Schema:
@@ -88,6 +103,13 @@ def sampling_schema(p: Param, default: Any = None, openai: bool = False) -> Sche
         one = {"type": "string", "minLength": 1}
         many = {"type": "array", "items": one, "maxItems": MAX_STOP_STRINGS}
         s = {"anyOf": [one, many]}
+    elif p.kind == "stop_regex":
+        one = {"type": "string", "minLength": 1}
+        s = {"anyOf": [one, {"type": "array", "items": one, "maxItems": MAX_STOP_REGEXES}]}
+    elif p.kind == "logit_bias":
+        bias = {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE, "maximum": MAX_LOGIT_BIAS_VALUE}
+        s = {"type": "object", "patternProperties": {"^[0-9]+$": bias}, "additionalProperties": False,
+             "maxProperties": MAX_LOGIT_BIAS}
     elif p.kind == "token_ids":
         many = {"type": "array", "items": TOKEN_ID}
         s = many if openai else {"anyOf": [TOKEN_ID, many]}
@@ -138,7 +160,7 @@ def _generate_request(max_top: int, max_jobs: int) -> Schema:
                                        "minItems": 2, "maxItems": 2},
             "description": "radixlm: sorted [start, end) character ranges of a single text (message contents) "
                            "tokenized as plain text, never as control tokens (unless --special-tokens-in-content)"}),
-        "log_metrics": {**ANY_JSON, "description": "accepted and ignored"},
+        **{k: {**ANY_JSON, "description": "accepted and ignored"} for k in GENERATE_IGNORED},
         **{k: _empty_only(k) for k in GENERATE_UNSUPPORTED},
     }, closed=True, description="Exactly one of text or input_ids. Prompts must be shorter than the context length.")
     s["description"] += f" Prompts x n at most {max_jobs} (--max-queued-requests), else 400."
@@ -368,7 +390,11 @@ def _paths() -> dict[str, Any]:
         "/health_generate": {"get": _op("200 only if a one-token generation completes within 30 s", ok,
                                         info_errors)},
         "/get_model_info": {"get": _op("The model and its tokenizer", _ref("ModelInfo"), info_errors)},
+        "/model_info": {"get": _op("The same as /get_model_info (SGLang's current name)", _ref("ModelInfo"),
+                                   info_errors)},
         "/get_server_info": {"get": _op("Settings, engine config, engine stats", _ref("ServerInfo"), info_errors)},
+        "/server_info": {"get": _op("The same as /get_server_info (SGLang's current name)", _ref("ServerInfo"),
+                                    info_errors)},
         "/flush_cache": {"post": flush, "get": flush},
         "/abort_request": {"post": _op(
             "Abort a request (all its n copies) by rid, or every request", _obj(

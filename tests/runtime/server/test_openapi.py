@@ -12,7 +12,7 @@ import pytest
 from json_tree import json_objects
 
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.sampling_params import ALIASES, EMPTY_ONLY, SamplingParams
 from radixlm.runtime.server import native_api, openai_api
 from radixlm.runtime.server.app import create_app
 from radixlm.runtime.server.context import ServerContext
@@ -69,7 +69,7 @@ def test_request_fields_are_exactly_what_the_handlers_accept(spec):
     def fields(name: str) -> set[str]:
         return set(schema_of(spec, name)["properties"])
 
-    assert fields("SamplingParams") == set(SamplingParams.field_names())
+    assert fields("SamplingParams") == set(SamplingParams.field_names()) | set(ALIASES) | set(EMPTY_ONLY)
     assert fields("SessionParams") == {"id", "rid", "offset", "replace", "drop_previous_output"}
     native = set(native_api.GENERATE_FIELDS) | set(native_api.GENERATE_IGNORED) | set(native_api.GENERATE_UNSUPPORTED)
     assert fields("GenerateRequest") == native

@@ -1,0 +1,246 @@
+"""SGLang's own frontend (PyPI ``sglang``, the ``sglang.lang`` package) against a real `radixlm serve`,
+and the SGLang /generate fields it and other SGLang clients send (stop_regex, logit_bias, sampling_seed,
+stream_interval, custom_params, structural_tag) and the routes they call.
+
+The ``sglang`` tests skip when the package is not importable: nothing is installed at run time, and CI
+does not install it (docs/server.md, "SGLang frontend", says how to install it for development). The
+raw-protocol tests below them always run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import aiohttp
+import pytest
+from server_harness import Server, read_sse, start_server
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--context-length", "1024")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def sgl(server: Server) -> Any:
+    """The sglang package, with a RuntimeEndpoint on the server as its default backend."""
+    sgl = pytest.importorskip("sglang")
+    # SmolLM2 speaks ChatML; SGLang cannot tell that from the model path
+    sgl.set_default_backend(sgl.RuntimeEndpoint(server.url, chat_template_name="chatml"))
+    yield sgl
+    sgl.set_default_backend(None)
+
+
+# -- sglang.lang programs ------------------------------------------------------------------------
+def test_gen_with_stop_regex_is_the_plain_output_cut_at_the_first_match(sgl):
+    pattern = r"[Ff]rance\b"
+
+    @sgl.function
+    def qa(s, q, pat):
+        s += sgl.user(q)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=24, temperature=0, stop_regex=pat))
+
+    plain = qa.run(q=QUESTION, pat=None)["answer"]
+    m = re.search(pattern, plain)
+    assert m is not None, plain  # the model's greedy answer names France
+    state = qa.run(q=QUESTION, pat=pattern)
+    assert state["answer"] == plain[: m.start()]
+    assert state.get_meta_info("answer")["finish_reason"] == {"type": "stop", "matched": pattern}
+
+
+def test_select_regex_and_json_schema(sgl):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    @sgl.function
+    def program(s):
+        s += "The capital of France is" + sgl.select("city", choices=[" Paris", " London", " Berlin"])
+        s += "\nA number: " + sgl.gen("num", regex=r"[0-9]{1,3}", temperature=0, max_tokens=8)
+        s += "\nJSON: " + sgl.gen("obj", json_schema=json.dumps(schema), temperature=0, max_tokens=32)
+        s += "\nAn integer: " + sgl.gen_int("i", max_tokens=8, temperature=0)
+
+    state = program.run()
+    assert state["city"] == " Paris"
+    meta = state.get_meta_info("city")
+    assert len(meta["normalized_prompt_logprobs"]) == 3 and meta["normalized_prompt_logprobs"][0] == max(
+        meta["normalized_prompt_logprobs"])
+    assert re.fullmatch(r"[0-9]{1,3}", state["num"]), state["num"]
+    assert isinstance(json.loads(state["obj"])["a"], int)
+    int(state["i"])  # gen_int: SGLang's integer regex plus its stop strings
+
+
+def test_fork_branches_equal_the_same_programs_unforked(sgl):
+    @sgl.function
+    def forked(s):
+        s += "Two fruits:\n"
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f"{i + 1}. " + sgl.gen("fruit", max_tokens=8, temperature=0, stop="\n")
+        forks.join()
+
+    @sgl.function
+    def straight(s, i):
+        s += "Two fruits:\n" + f"{i + 1}. " + sgl.gen("fruit", max_tokens=8, temperature=0, stop="\n")
+
+    fruits = forked.run()["fruit"]
+    assert fruits == [straight.run(i=i)["fruit"] for i in range(2)]
+    assert all(f and "\n" not in f for f in fruits)
+
+
+def test_stream_chunks_add_up_to_the_whole_answer(sgl):
+    @sgl.function
+    def qa(s):
+        s += sgl.user("Name three colours.")
+        s += sgl.assistant(sgl.gen("answer", max_tokens=24, temperature=0, stop_regex=r"\n\n"))
+
+    whole = qa.run()["answer"]
+    chunks = list(qa.run(stream=True).text_iter("answer"))
+    assert len(chunks) > 2 and "".join(chunks) == whole
+
+
+def test_return_logprob_and_top_logprobs(sgl):
+    @sgl.function
+    def qa(s):
+        s += sgl.user(QUESTION) + sgl.assistant(sgl.gen("answer", max_tokens=6, temperature=0))
+
+    state = qa.run(return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True)
+    meta = state.get_meta_info("answer")
+    out = meta["output_token_logprobs"]
+    assert len(out) == meta["completion_tokens"] == 6
+    assert "".join(text for _, _, text in out) == state["answer"]
+    for (lp, tid, _), top in zip(out, meta["output_top_logprobs"]):
+        assert lp <= 0 and len(top) == 2 and top[0][1] == tid  # greedy: the sampled token is the top one
+
+
+def test_min_new_tokens(sgl):
+    @sgl.function
+    def short(s, min_tokens):
+        s += sgl.user("Say yes.") + sgl.assistant(sgl.gen("a", max_tokens=48, min_tokens=min_tokens,
+                                                          temperature=0))
+
+    free = short.run(min_tokens=0).get_meta_info("a")
+    assert free["finish_reason"]["type"] == "stop"  # ends on EOS by itself
+    longer = short.run(min_tokens=free["completion_tokens"] + 5).get_meta_info("a")
+    assert longer["completion_tokens"] >= free["completion_tokens"] + 5
+
+
+def test_run_batch_flush_cache_and_server_info(sgl):
+    @sgl.function
+    def capital(s, country):
+        s += f"The capital of {country} is" + sgl.gen("c", max_tokens=3, temperature=0)
+
+    states = capital.run_batch([{"country": "France"}, {"country": "Italy"}])
+    assert [s["c"] for s in states] == [capital.run(country=c)["c"] for c in ("France", "Italy")]
+    info = sgl.get_server_info()  # GET /server_info
+    assert info["version"] and info["stats"]["kv_slots_total"] == 8192
+    sgl.flush_cache()  # POST /flush_cache
+
+
+# -- SGLang's protocol without the package ---------------------------------------------------------
+def _gen(server: Server, params: dict[str, Any], text: str = "The capital of France is", **body: Any) -> Any:
+    return server.generate({"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 16,
+                                                              "ignore_eos": True, **params}, **body})
+
+
+async def _stream(server: Server, body: dict[str, Any]) -> list[Any]:
+    async with aiohttp.ClientSession() as http, http.post(server.url + "/generate",
+                                                          json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        return await read_sse(resp)
+
+
+def test_every_field_the_sglang_frontend_sends_is_accepted(server: Server):
+    # what sglang.lang's RuntimeEndpoint.generate sends for a plain gen(), field for field
+    body = {"text": "Hello", "sampling_params": {
+        "skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 4, "min_new_tokens": 0,
+        "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [], "temperature": 0, "top_p": 1.0, "top_k": -1,
+        "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": False, "regex": None,
+        "json_schema": None}, "return_logprob": False, "return_text_in_logprobs": False}
+    assert server.generate(body)["meta_info"]["completion_tokens"] >= 1
+    # and the rest of SGLang's SamplingParams / GenerateReqInput, empty or off
+    extra = {"structural_tag": None, "logit_bias": None, "sampling_seed": None, "stream_interval": None,
+             "custom_params": None, "watermark": None, "beam_width": None}
+    out = server.generate({**body, "sampling_params": {**body["sampling_params"], **extra}, "session_id": None,
+                           "lora_path": None, "image_data": None, "routing_key": "r1", "priority": 0})
+    assert out["meta_info"]["completion_tokens"] >= 1
+    assert server.get("/server_info")[1]["version"] == server.get("/get_server_info")[1]["version"]
+    assert server.get("/model_info") == server.get("/get_model_info")
+
+
+@pytest.mark.parametrize(("params", "field", "what"), [
+    ({"custom_params": {"x": 1}}, "custom_params", "custom logit processors"),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "structures": [], "triggers": []})},
+     "structural_tag", "not supported"),
+    ({"stop_regex": "(unclosed"}, "stop_regex", "not a valid regular expression"),
+    ({"stop_regex": "(a{1000}){1000}"}, "stop_regex", "expand past"),
+    ({"stop_regex": "x*"}, "stop_regex", "matches the empty text"),
+    ({"logit_bias": {"1": "big"}}, "logit_bias", "must be a number"),
+    ({"logit_bias": {"999999999": 1.0}}, "logit_bias", "outside the vocabulary"),
+    ({"sampling_seed": 1, "seed": 2}, "sampling_seed", "same parameter"),
+    ({"stream_interval": 0}, "stream_interval", ">= 1"),
+    ({"stop_regexes": ["x"]}, "stop_regexes", "unknown sampling parameter"),
+])
+def test_bad_sglang_sampling_fields_are_400s_naming_them(server: Server, params, field, what):
+    status, out = server.post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2, **params}})
+    assert status == 400, out
+    assert field in out["error"]["message"] and what in out["error"]["message"], out
+
+
+def test_unknown_generate_fields_outside_sglang_are_still_400(server: Server):
+    status, out = server.post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2},
+                                            "not_an_sglang_field": 1})
+    assert status == 400 and out["error"]["param"] == "not_an_sglang_field"
+    status, out = server.post("/generate", {"text": "Hi", "image_data": "http://x/y.png"})
+    assert status == 400 and out["error"]["param"] == "image_data"
+
+
+def test_stop_regex_over_http_trims_keeps_and_holds_back_in_streams(server: Server):
+    plain = _gen(server, {})["text"]
+    m = re.search(r"\s[a-z]+\s", plain)
+    assert m is not None, plain
+    pattern = r"\s" + re.escape(m.group().strip()) + r"\s"
+    cut = _gen(server, {"stop_regex": pattern})
+    assert cut["text"] == plain[: m.start()]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    kept = _gen(server, {"stop_regex": [pattern], "no_stop_trim": True})
+    assert kept["text"] == plain[: m.end()]
+    events = asyncio.run(_stream(server, {"text": "The capital of France is", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 16, "ignore_eos": True, "stop_regex": pattern}}))
+    texts = [e["text"] for e in events[:-1]]
+    assert events[-1] == "[DONE]" and texts[-1] == cut["text"]
+    assert all(plain.startswith(t) and len(t) <= m.start() for t in texts)  # the match never shows
+
+
+def test_logit_bias_forces_or_bans_a_token(server: Server, smol_tokenizer):
+    target = smol_tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = _gen(server, {"max_new_tokens": 4, "logit_bias": {str(target): 100.0}})
+    assert forced["output_ids"] == [target] * 4
+    sampled = _gen(server, {"max_new_tokens": 4, "temperature": 1.0, "seed": 3, "logit_bias": {target: 100}})
+    assert sampled["output_ids"] == [target] * 4
+    first = _gen(server, {"max_new_tokens": 1})["output_ids"][0]
+    banned = _gen(server, {"max_new_tokens": 1, "logit_bias": {str(first): -1e9}})
+    assert banned["output_ids"][0] != first
+
+
+def test_sampling_seed_is_seed(server: Server):
+    params = {"temperature": 1.0, "max_new_tokens": 12}
+    assert _gen(server, {**params, "sampling_seed": 11})["output_ids"] == _gen(server, {**params, "seed": 11})[
+        "output_ids"]
+
+
+def test_stream_interval_sends_a_chunk_every_k_tokens(server: Server):
+    body = {"text": "Once upon a time", "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
+    every = asyncio.run(_stream(server, body))[:-1]
+    body["sampling_params"]["stream_interval"] = 4
+    sparse = asyncio.run(_stream(server, body))[:-1]
+    assert sparse[-1]["text"] == every[-1]["text"] and sparse[-1]["output_ids"] == every[-1]["output_ids"]
+    counts = [len(e["output_ids"]) for e in sparse]
+    assert counts == [1, 5, 9, 12], counts  # the first token at once, then every 4, then the end
