@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from radixlm.runtime.constrained.grammar import bitmask_width
@@ -26,8 +27,11 @@ _BIT_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(rows, vocab_size) bool: one table look-up per byte (little-endian words: byte k of word
-    w holds tokens 32w + 8k .. 32w + 8k + 7)."""
+    """(rows, vocab_size) bool (little-endian words: byte k of word w holds tokens 32w + 8k ..
+    32w + 8k + 7). On the CPU numpy's unpackbits; on a device one table look-up per byte."""
+    if bitmask.device.type == "cpu":
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
     table = _BIT_TABLES.get(bitmask.device)
     if table is None:
         table = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1

@@ -12,7 +12,7 @@ llguidance's Earley parser over a token trie.
 - json_schema → llguidance's own JSON Schema compiler, with our separators and no other
   whitespace unless configured; it refuses by name what it does not enforce (``not``,
   ``uniqueItems``, an overlapping ``oneOf``...). Before that, :func:`prepare_schema` drops the
-  formats it does not know and refuses the one thing found that it gets wrong; in strict mode
+  formats no validator knows and refuses what it gets wrong; in strict mode
   (``GrammarConfig.json_strict``, what generation uses) :func:`close_objects` allows no
   properties beyond those a schema names, as xgrammar's strict mode does.
 - regex → llguidance's regex (Rust ``regex`` syntax, the whole output matches; ``^``/``$`` at
@@ -39,13 +39,18 @@ from radixlm.runtime.constrained.grammar import CachedGrammarBackend, GrammarCon
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
-__all__ = ["KNOWN_FORMATS", "LLGuidanceBackend", "LLGuidanceGrammar", "LLGuidanceMatcher", "choices_to_lark",
+__all__ = ["KNOWN_FORMATS", "STANDARD_FORMATS", "LLGuidanceBackend", "LLGuidanceGrammar", "LLGuidanceMatcher", "choices_to_lark",
            "close_objects", "prepare_schema", "refers_to_special_tokens"]
 
 _REGEX_META = set("\\.+*?()|[]{}^$")
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 # The string formats llguidance (1.9) enforces; others it refuses by name.
 KNOWN_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
+# The other formats JSON Schema (2020-12) defines: a validator that asserts formats checks them,
+# so a schema with one is refused. Any other format (Pydantic's "password", "binary", OpenAPI's
+# "int32"...) no validator knows: an annotation, dropped.
+STANDARD_FORMATS = KNOWN_FORMATS | {"idn-email", "idn-hostname", "uri-reference", "iri", "iri-reference",
+                                    "uri-template", "json-pointer", "relative-json-pointer", "regex"}
 _POSITION = re.compile(r"^at \d+\(\d+\): ")
 # Every grammar is Lark with this header. no_forcing: where the grammar forces bytes, the mask
 # allows every token the grammar allows, as elsewhere (without it, llguidance allows only the
@@ -68,9 +73,10 @@ def prepare_schema(schema: Any) -> Any:
     """The schema llguidance compiles for ``schema`` (a copy), or UnsupportedSchema for what
     llguidance accepts but cannot enforce. Every (sub)schema is looked at, referenced or not.
 
-    - ``format`` values llguidance does not know (``uri-reference``, ``int32``...) are dropped:
-      it refuses them, but to a validator a format is an annotation (asserted only on request,
-      e.g. with a ``FormatChecker``, and unknown ones never). Those it knows it enforces.
+    - ``format`` values outside JSON Schema's list (``int32``, ``password``...) are dropped:
+      llguidance refuses them, but no validator asserts a format it does not know. JSON
+      Schema's own formats llguidance does not enforce (``uri-reference``, ``regex``...) are
+      refused, since a validator that asserts formats checks them; those it knows it enforces.
     - llguidance lets a key beyond ``properties``/``required`` repeat (``{"b":1,"b":2}``, allowed
       by ``additionalProperties`` or ``patternProperties``) and counts each repeat towards
       ``minProperties``; a validator counts the key once. The required keys are unique, so one
@@ -85,7 +91,11 @@ def prepare_schema(schema: Any) -> Any:
             continue
         if not isinstance(node, dict):
             continue
-        if isinstance(node.get("format"), str) and node["format"] not in KNOWN_FORMATS:
+        fmt = node.get("format")
+        if isinstance(fmt, str) and fmt not in KNOWN_FORMATS:
+            if fmt in STANDARD_FORMATS:
+                raise UnsupportedSchema(f"'format': {fmt!r} is not supported by the llguidance backend "
+                                        f"(at {where or '/'})")
             del node["format"]
         least = node.get("minProperties")
         required = node.get("required")

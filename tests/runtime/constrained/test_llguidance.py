@@ -275,17 +275,24 @@ def test_special_tokens_are_found_outside_literals_only():
     assert not refers_to_special_tokens('start: "<|im_end|>" /<a\\/>/ // <b>\n# <c>\nx: %json {"pattern": "<"}')
 
 
-def test_prepare_schema_drops_unknown_formats_only(llg, smol_tokenizer):
+def test_prepare_schema_drops_formats_no_validator_knows(llg, smol_tokenizer):
     schema = {"type": "object", "properties": {
-        "a": {"type": "string", "format": "uri-reference"}, "b": {"type": "string", "format": "date"},
+        "a": {"type": "string", "format": "password"}, "b": {"type": "string", "format": "date"},
         "format": {"type": "string", "enum": [{"format": "x"}]}}, "default": {"format": "kept"}}
     got = prepare_schema(schema)
     assert "format" not in got["properties"]["a"] and got["properties"]["b"]["format"] == "date"
     assert got["properties"]["format"]["enum"] == [{"format": "x"}] and got["default"] == {"format": "kept"}
-    assert schema["properties"]["a"]["format"] == "uri-reference"  # the input is not changed
+    assert schema["properties"]["a"]["format"] == "password"  # the input is not changed
     m = llg.compile("json_schema", {"type": "string", "format": "date"}).new_matcher()
     assert _feed(m, _ids(smol_tokenizer, '"2024-13-01"')) is not None  # known formats are enforced
     assert llg.compile("json_schema", {"type": "string", "format": "int32"}).kind == "json_schema"
+
+
+@pytest.mark.parametrize("fmt", ["uri-reference", "regex", "iri", "json-pointer"])
+def test_standard_formats_it_cannot_enforce_are_refused(llg, fmt):
+    """A validator that asserts formats checks these (JSONSchemaBench's invalid instances do)."""
+    with pytest.raises(ValueError, match=f"'format': '{fmt}' is not supported by the llguidance backend"):
+        llg.compile("json_schema", {"type": "object", "properties": {"x": {"type": "string", "format": fmt}}})
 
 
 def test_repeated_keys_cannot_satisfy_min_properties(llg, smol_tokenizer):
