@@ -21,7 +21,9 @@ Configuration (see docs/structured-output.md, "JSONSchemaBench"):
 Each (schema, backend) runs in one of ``--workers`` processes (2 by default) under a time and
 memory cap; a task past either is killed and counted as not compiled ("timeout", "memory").
 
-    python benchmarks/jsonschemabench.py [--limit N] [--backends xgrammar,llguidance,outlines|all]
+    python benchmarks/jsonschemabench.py [--limit N] [--backends xgrammar,llguidance,llguidance-raw,outlines|all]
+
+llguidance-raw is llguidance without our schema preparation: the peer our backend is held against.
 """
 
 from __future__ import annotations
@@ -48,14 +50,27 @@ from radixlm.runtime.constrained.grammar import (
     GrammarConfig,
     bitmask_width,
 )
+from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
 from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT.parent / "shared" / "data" / "jsonschemabench"
 FILES = ("Github_trivial", "Github_easy", "Glaiveai2K", "Handwritten", "Synthesized")
+class RawLLGuidance(LLGuidanceBackend):
+    """llguidance as it comes: none of our schema preparation (format drops and refusals,
+    minProperties refusal): the peer our llguidance backend is held against."""
+
+    name = "llguidance-raw"
+
+    def check_schema(self, schema: Any) -> Any:
+        return schema
+
+
+FACTORIES = {**GRAMMAR_BACKENDS, RawLLGuidance.name: RawLLGuidance}
 BACKEND_CONFIGS = {
     "xgrammar": GrammarConfig(json_any_order=True),
     "llguidance": GrammarConfig(json_strict=False),  # a validator's semantics: unnamed properties allowed
+    "llguidance-raw": GrammarConfig(json_strict=False),
     "outlines": GrammarConfig(),
 }
 # Published coverage (JSONSchemaBench paper, Llama-3.2-1B), from the data folder's README.
@@ -383,11 +398,11 @@ class Checker:
         self.tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
         vocab = build_tokenizer_vocab(self.tokenizer, source.arch.vocab_size)
         self.stop = vocab.stop_ids[0]
-        self.backends = {name: GRAMMAR_BACKENDS[name](vocab, BACKEND_CONFIGS[name]) for name in backends}
+        self.backends = {name: FACTORIES[name](vocab, BACKEND_CONFIGS[name]) for name in backends}
         self.structural = structural_tokens(list(vocab.decoded))
         self.walks = walks
         # Random walks compile with the config generation uses (schema property order).
-        self.walk_backends = {name: GRAMMAR_BACKENDS[name](vocab, GrammarConfig()) if walks else None
+        self.walk_backends = {name: FACTORIES[name](vocab, GrammarConfig()) if walks else None
                               for name in backends}
 
     def encode(self, text: str) -> list[int]:
