@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +30,25 @@ from radixlm.runtime.server.fields import (
     is_int,
     is_token_list,
 )
+from radixlm.runtime.server.openai_tools import (
+    Piece,
+    ToolPlan,
+    check_schema,
+    collect_choice,
+    first_phase_params,
+    merged,
+    opener_ids,
+    parse_tool_fields,
+    render_chat,
+    run_choice,
+    tool_format,
+    usage,
+)
 from radixlm.runtime.server.payload import check_response_cost, finite_logprob, json_response, read_json_object
 from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
 from radixlm.runtime.sessions import SessionParams
+from radixlm.runtime.tool_calls import ToolInputError, parse_history_calls
 
 log = logging.getLogger("radixlm.server")
 
@@ -43,10 +59,10 @@ SAMPLING_FIELDS: dict[str, str] = {p.openai or name: name for name, p in PARAMS.
 COMMON_FIELDS = ("model", "stream", "stream_options", *SAMPLING_FIELDS)
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "logprobs", "best_of")
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
-               "response_format", "tool_choice", "session_id")
+               "response_format", "tools", "tool_choice", "parallel_tool_calls", "session_id")
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention", "reasoning_effort", "verbosity", "parallel_tool_calls")
-UNSUPPORTED_FIELDS = ("suffix", "logit_bias", "tools", "functions", "function_call", "audio", "prediction",
+                  "prompt_cache_retention", "reasoning_effort", "verbosity")
+UNSUPPORTED_FIELDS = ("suffix", "logit_bias", "functions", "function_call", "audio", "prediction",
                       "web_search_options", "modalities")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -119,6 +135,7 @@ class Plan:
     top_logprobs: int = 0
     echo_texts: list[str] = field(default_factory=list)  # per prompt, completions with echo
     constraint_param: str | None = None  # the field that asked for constrained decoding
+    tools: ToolPlan | None = None  # chat with tools that may be called (tool_choice auto / required / named)
 
 
 def _sampling(body: Mapping[str, Any], n: int, max_tokens: int | None, default_max: int) -> dict[str, Any]:
@@ -211,6 +228,12 @@ async def _run(request: web.Request, ctx: ServerContext, plan: Plan, arrival: fl
     assert ctx.dispatcher is not None
     with ctx.busy():
         try:
+            if plan.tools is not None:
+                if plan.tools.choice.mode == "auto":
+                    await check_schema(ctx, plan.tools, plan.rid, arrival)
+                if plan.stream:
+                    return await _stream_tools(request, ctx, plan, arrival, tok)
+                return await _collect_tools(ctx, plan, arrival, tok)
             async with ctx.dispatcher.run(plan.jobs, arrival) as events:
                 if plan.stream:
                     return await _stream(request, ctx, plan, events, tok)
@@ -452,10 +475,8 @@ def _constraint_field(body: Mapping[str, Any]) -> str | None:
 def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int) -> Plan:
     check_keys(body, CHAT_FIELDS, IGNORED_FIELDS, UNSUPPORTED_FIELDS)
     n, stream, include_usage = _common(body)
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice is not supported by this server (no tools)", param="tool_choice")
-    ids = tok.encode_chat(_messages(body))
+    tools = parse_tool_fields(body, tool_format(tok))
+    ids = render_chat(tok, _messages(body), tools)
     logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", 0, lo=0, hi=max_top)
     if top and not logprobs:
@@ -463,15 +484,39 @@ def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs
     max_tokens = get_int(body, "max_completion_tokens", None, lo=0)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, lo=0)
+    if tools.generates_calls:
+        _check_with_tools(body, logprobs)
+        tools.chat_ids = ids
+        if tools.choice.mode != "auto":
+            ids = ids + opener_ids(tok, tools.fmt)
+            tok.check_prompt(ids, "messages")
     d = _sampling(body, n, max_tokens, tok.context_length - len(ids))
     _response_format(body, d)
+    first_phase_params(d, tools)
     params = _params(d)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     spec = PromptRequest(rid, ids, params, return_logprob=logprobs, top_logprobs_num=top if logprobs else 0)
     jobs = expand_jobs([spec], max_jobs, _chat_session(body, n))
     return Plan(kind="chat", rid=rid, jobs=jobs, n=n, stream=stream,
                 include_usage=include_usage,
-                prompt_lens=[len(ids)], logprobs=logprobs, top_logprobs=top, constraint_param=_constraint_field(body))
+                prompt_lens=[len(ids)], logprobs=logprobs, top_logprobs=top, constraint_param=_constraint_field(body),
+                tools=tools if tools.generates_calls else None)
+
+
+def _check_with_tools(body: Mapping[str, Any], logprobs: bool) -> None:
+    """What a request whose model may call tools cannot also ask for."""
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+        raise ApiError(400, "response_format cannot be combined with tools (unless tool_choice is none)",
+                       param="response_format")
+    for key in ("regex", "json_schema", "ebnf"):
+        if body.get(key) is not None:
+            raise ApiError(400, f"{key} cannot be combined with tools (unless tool_choice is none)", param=key)
+    if logprobs:
+        raise ApiError(400, "logprobs are not available with tools (unless tool_choice is none)", param="logprobs")
+    if body.get("session_id") is not None:
+        raise ApiError(400, "session_id is not available with tools (unless tool_choice is none)",
+                       param="session_id")
 
 
 def _chat_session(body: Mapping[str, Any], n: int) -> SessionParams | None:
@@ -488,7 +533,8 @@ def _chat_session(body: Mapping[str, Any], n: int) -> SessionParams | None:
 
 
 def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: role + string content."""
+    """Messages as the chat template expects them: role + string content; an assistant's
+    ``tool_calls`` (parsed ToolCalls) and a tool message's ``tool_call_id`` (and ``name``) kept."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
@@ -501,17 +547,31 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if role not in CHAT_ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                            param=f"{where}.role")
+        content = _content(m.get("content"), f"{where}.content", role, bool(m.get("tool_calls")))
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
         if m.get("tool_calls"):
-            raise ApiError(400, f"{where}.tool_calls is not supported by this server", param=f"{where}.tool_calls")
-        content = _content(m.get("content"), f"{where}.content", role)
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+            if role != "assistant":
+                raise ApiError(400, f"{where}.tool_calls is only for assistant messages", param=f"{where}.tool_calls")
+            try:
+                msg["tool_calls"] = parse_history_calls(m["tool_calls"], f"{where}.tool_calls")
+            except ToolInputError as e:
+                raise ApiError(400, str(e), param=e.param) from None
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ApiError(400, f"{where}.tool_call_id is required for a tool message: the id of the call it "
+                                    "answers", param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = call_id
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+        out.append(msg)
     return out
 
 
-def _content(content: Any, where: str, role: str) -> str:
+def _content(content: Any, where: str, role: str, has_calls: bool = False) -> str:
     if isinstance(content, str):
         return content
-    if content is None and role == "assistant":
+    if content is None and (role == "assistant" or has_calls):
         return ""
     if isinstance(content, list):
         parts = []
@@ -549,3 +609,81 @@ def _response_format(body: Mapping[str, Any], d: dict[str, Any]) -> None:
         raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                        param="response_format")
 
+
+
+# -- chat with tools -----------------------------------------------------------------------
+def _choice_gens(ctx: ServerContext, plan: Plan, arrival: float, tok: ServerTokenizer) -> list[AsyncIterator[Piece]]:
+    assert plan.tools is not None
+    return [run_choice(ctx, plan.tools, job, arrival, tok) for job in plan.jobs]
+
+
+async def _collect_tools(ctx: ServerContext, plan: Plan, arrival: float, tok: ServerTokenizer) -> web.Response:
+    results = await asyncio.gather(*(collect_choice(g) for g in _choice_gens(ctx, plan, arrival, tok)))
+    choices = []
+    for i, r in enumerate(results):
+        message: dict[str, Any] = {"role": "assistant", "content": r.content or (None if r.calls else "")}
+        if r.calls:
+            message["tool_calls"] = [c.to_openai() for c in r.calls]
+        choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": r.reason,
+                        "matched_stop": r.matched})
+    return json_response({"id": plan.rid, "object": "chat.completion", "created": int(time.time()),
+                          "model": ctx.model_name, "choices": choices, "system_fingerprint": None,
+                          "usage": usage(plan.prompt_lens[0], [r.metas for r in results])})
+
+
+async def _stream_tools(request: web.Request, ctx: ServerContext, plan: Plan, arrival: float,
+                        tok: ServerTokenizer) -> web.StreamResponse:
+    """OpenAI's deltas: content text; per call a first delta with index, id, type, name and empty
+    arguments, then argument fragments; finish_reason tool_calls."""
+    created = int(time.time())
+    metas: list[list[dict[str, Any]]] = [[] for _ in plan.jobs]
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        c: dict[str, Any] = {"id": plan.rid, "object": "chat.completion.chunk", "created": created,
+                             "model": ctx.model_name, "system_fingerprint": None, "choices": choices}
+        if plan.include_usage:
+            c["usage"] = None
+        return c
+
+    stream = merged(_choice_gens(ctx, plan, arrival, tok))
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        first = await next_piece(stream)  # errors before any output are plain HTTP errors
+        async with event_stream(request) as resp:
+            for i in range(len(plan.jobs)):
+                await send_event(resp, chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]))
+            item = first
+            try:
+                while item is not None:
+                    i, p = item
+                    delta: dict[str, Any] = {}
+                    reason = None
+                    if p.kind == "content":
+                        delta = {"content": p.text}
+                    elif p.kind == "call":
+                        delta = {"tool_calls": [{"index": p.call, "id": p.call_id, "type": "function",
+                                                 "function": {"name": p.text, "arguments": ""}}]}
+                    elif p.kind == "args":
+                        delta = {"tool_calls": [{"index": p.call, "function": {"arguments": p.text}}]}
+                    else:
+                        reason, metas[i] = p.reason, p.metas
+                    choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+                    if p.kind == "end":
+                        choice["matched_stop"] = p.matched
+                    await send_event(resp, chunk([choice]))
+                    item = await next_piece(stream)
+            except ApiError as e:
+                await send_event(resp, _constraint_error(plan.constraint_param, e).body())
+            else:
+                if plan.include_usage:
+                    final = chunk([])
+                    final["usage"] = usage(plan.prompt_lens[0], metas)
+                    await send_event(resp, final)
+    return resp
+
+
+async def next_piece(it: AsyncIterator[tuple[int, Piece]]) -> tuple[int, Piece] | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None

@@ -24,6 +24,7 @@ from radixlm.runtime.sampling_params import (
 from radixlm.runtime.server.native_api import GENERATE_IGNORED, GENERATE_UNSUPPORTED
 from radixlm.runtime.server.openai_api import IGNORED_FIELDS, MAX_N, SAMPLING_FIELDS, UNSUPPORTED_FIELDS
 from radixlm.runtime.server.settings import ServerSettings
+from radixlm.runtime.tool_calls import MAX_TOOLS
 from radixlm.runtime.stop import MAX_STOP_REGEXES
 
 Schema = dict[str, Any]
@@ -207,7 +208,17 @@ def _chat_request(max_top: int) -> Schema:
         "content": {"anyOf": [STR, {"type": "array", "items": part}, {"type": "null"}],
                     "description": "text, or text parts; null only for assistant"},
         "name": STR,
+        "tool_calls": {"type": "array", "items": _tool_call(), "description": "assistant only: calls it made"},
+        "tool_call_id": {**STR, "minLength": 1, "description": "required on a tool message: the call it answers"},
     }, required=("role",))
+    function = _obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$", "description": "unique"},
+                     "description": STR,
+                     "parameters": {"type": "object", "description": "a JSON schema of an object (default: no "
+                                    "arguments); one that does not compile is a 400 naming it"},
+                     "strict": BOOL}, required=("name",), closed=True)
+    tool = _obj({"type": {"const": "function"}, "function": function}, required=("type", "function"), closed=True)
+    named = _obj({"type": {"const": "function"}, "function": _obj({"name": STR}, required=("name",))},
+                 required=("type", "function"), closed=True)
     schema_spec = _obj({"name": STR, "schema": {"type": "object"}, "strict": BOOL}, required=("schema",))
     response_format = _obj({"type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": schema_spec},
                            required=("type",), description="not together with regex / json_schema / ebnf")
@@ -219,7 +230,11 @@ def _chat_request(max_top: int) -> Schema:
         "top_logprobs": _opt({"type": "integer", "minimum": 0, "maximum": max_top,
                               "description": "needs logprobs: true"}),
         "response_format": _opt(response_format),
-        "tool_choice": {"enum": [None, "none", "auto"], "description": "no tools: only none/auto"},
+        "tools": _opt({"type": "array", "items": tool, "maxItems": MAX_TOOLS}),
+        "tool_choice": {"anyOf": [{"enum": [None, "none", "auto", "required"]}, named],
+                        "description": "default auto with tools, none without; auto, required and a named "
+                                       "function need tools (docs/tools.md)"},
+        "parallel_tool_calls": _opt({**BOOL, "description": "default true: a turn may hold several calls"}),
         "session_id": _opt({"type": "string", "minLength": 1,
                             "description": "extension: the turn replaces that session's history (n = 1)"}),
         **_openai_extras(),
@@ -275,16 +290,25 @@ def _completion() -> Schema:
                 required=("id", "object", "created", "model", "choices", "usage"))
 
 
+def _tool_call() -> Schema:
+    fn = _obj({"name": STR, "arguments": {**STR, "description": "the arguments as JSON text"}},
+              required=("name", "arguments"))
+    return _obj({"id": STR, "type": {"const": "function"}, "function": fn}, required=("id", "function"))
+
+
 def _chat_completion() -> Schema:
     top = _obj({"token": STR, "logprob": LOGPROB, "bytes": {"type": "array", "items": INT}},
                required=("token", "logprob", "bytes"))
     entry = _obj({**top["properties"], "top_logprobs": {"type": "array", "items": top}},
                  required=("token", "logprob", "bytes", "top_logprobs"))
     lp = _obj({"content": {"type": "array", "items": entry}, "refusal": {"type": "null"}}, required=("content",))
-    choice = _obj({"index": INT, "message": _obj({"role": {"const": "assistant"}, "content": STR},
-                                                 required=("role", "content")),
+    message = _obj({"role": {"const": "assistant"}, "content": NULL_STR,
+                    "tool_calls": {"type": "array", "items": _tool_call(), "description": "the calls (content is "
+                                   "then the text before them, or null)"}},
+                   required=("role", "content"))
+    choice = _obj({"index": INT, "message": message,
                    "logprobs": {"anyOf": [lp, {"type": "null"}]},
-                   "finish_reason": {"enum": ["stop", "length", "abort", None]},
+                   "finish_reason": {"enum": ["stop", "length", "abort", "tool_calls", None]},
                    "matched_stop": {"type": ["string", "integer", "null"]}},
                   required=("index", "message", "logprobs", "finish_reason"))
     return _obj({"id": STR, "object": {"const": "chat.completion"}, "created": INT, "model": STR,
@@ -460,7 +484,7 @@ def openapi_spec(settings: ServerSettings) -> dict[str, Any]:
             f"{settings.max_queued_requests} prompts x n (--max-queued-requests), else 400.")},
         "servers": [{"url": "/"}],
         "security": auth,
-        "paths": {**_paths(), **_program_paths(settings)},
+        "paths": _paths(),
         "components": {
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer", "description": (
                 "with --api-key, every route but /health and /openapi.json needs 'Authorization: Bearer <key>'")}},
@@ -480,47 +504,6 @@ def openapi_spec(settings: ServerSettings) -> dict[str, Any]:
                 "Model": _model_card(),
                 "ModelInfo": _model_info(),
                 "ServerInfo": _server_info(),
-                **_program_schemas(),
             },
         },
     }
-
-
-# -- POST /run_program (radixlm.runtime.server.program_api) ---------------------------------------
-def _program_paths(settings: ServerSettings) -> dict[str, Any]:
-    limits = settings.programs
-    summary = ("Run a DSL request graph next to the engine (docs/server.md, \"/run_program\"); limits: "
-               f"{limits.max_program_nodes} nodes, {limits.max_program_fork_width} branches per fork, forks "
-               f"{limits.max_program_fork_depth} deep, {limits.max_program_text_bytes} text bytes, "
-               f"{limits.max_program_gens} gens (--max-program-*), each past it a 400 naming its flag")
-    return {"/run_program": {"post": _op(
-        summary, None, ("400", "404", "408", "429", "503"), _ref("RunProgramRequest"),
-        ok_content={**_json(_ref("RunProgramResponse")), **SSE})}}
-
-
-def _program_schemas() -> dict[str, Schema]:
-    """The request graph's schema comes from its pydantic models (declared once, in the IR)."""
-    from radixlm.runtime.programs.ir import Graph
-
-    graph = Graph.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = graph.pop("$defs", {})
-    any_json = {"description": "any JSON value"}
-    request = _obj({
-        "graph": _ref("Graph"),
-        "stream": _opt({**BOOL, "description": "SSE: {state, var, text} per text event of each state "
-                                               "(state 'root', or 'root/f<fork>.<branch>'), then {done: true, ...}"}),
-        "session_id": _opt({**STR, "description": "the root state's gens are turns of this open session"}),
-        "sampling_defaults": _opt({"type": "object", "description": (
-            "sampling parameters (the DSL's, as in SamplingParams) under every gen's own")}),
-    }, required=("graph",), closed=True)
-    response = _obj({
-        "program": STR,
-        "variables": {"type": "object", "additionalProperties": any_json,
-                      "description": "final variables: select choices, gen texts (typed by dtype); lists for "
-                                     "names set in fork branches"},
-        "meta": {"type": "object", "additionalProperties": any_json,
-                 "description": "per variable: the native meta_info of its gen, or its select's scores"},
-        "text": STR,
-        "messages": {"type": "array", "items": _obj({"role": STR, "content": STR})},
-    }, required=("program", "variables", "meta", "text", "messages"))
-    return {**defs, "Graph": graph, "RunProgramRequest": request, "RunProgramResponse": response}

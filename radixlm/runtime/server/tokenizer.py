@@ -66,8 +66,9 @@ class ServerTokenizer:
         return ids
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], param: str = "messages",
-                    special_in_content: bool | None = None) -> list[int]:
-        """Apply the model's chat template with the assistant's turn opened, then tokenize.
+                    special_in_content: bool | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Apply the model's chat template with the assistant's turn opened, then tokenize;
+        ``tools`` (OpenAI's function declarations) go to templates that render them.
 
         Message content is text: special-token text in it (``<|im_end|>``) is tokenized as plain
         characters, never as the control token (role injection), unless ``special_in_content``."""
@@ -79,7 +80,8 @@ class ServerTokenizer:
         marked = {} if special_in_content else self._content_with_special_text(messages)
         rendered = [dict(m, content=_MARK.format(i)) if i in marked else dict(m) for i, m in enumerate(messages)]
         try:
-            text = self.tok.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+            extra = {"tools": tools} if tools else {}
+            text = self.tok.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages a template rejects
             raise ApiError(400, f"the chat template rejected the messages: {e}", param=param) from None
         ids: list[int] = []
