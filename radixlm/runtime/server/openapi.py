@@ -24,8 +24,8 @@ from radixlm.runtime.sampling_params import (
 from radixlm.runtime.server.native_api import GENERATE_IGNORED, GENERATE_UNSUPPORTED
 from radixlm.runtime.server.openai_api import IGNORED_FIELDS, MAX_N, SAMPLING_FIELDS, UNSUPPORTED_FIELDS
 from radixlm.runtime.server.settings import ServerSettings
-from radixlm.runtime.tool_calls import MAX_TOOLS
 from radixlm.runtime.stop import MAX_STOP_REGEXES
+from radixlm.runtime.tool_calls import MAX_TOOLS
 
 Schema = dict[str, Any]
 
@@ -484,7 +484,7 @@ def openapi_spec(settings: ServerSettings) -> dict[str, Any]:
             f"{settings.max_queued_requests} prompts x n (--max-queued-requests), else 400.")},
         "servers": [{"url": "/"}],
         "security": auth,
-        "paths": _paths(),
+        "paths": {**_paths(), **_program_paths(settings)},
         "components": {
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer", "description": (
                 "with --api-key, every route but /health and /openapi.json needs 'Authorization: Bearer <key>'")}},
@@ -504,6 +504,47 @@ def openapi_spec(settings: ServerSettings) -> dict[str, Any]:
                 "Model": _model_card(),
                 "ModelInfo": _model_info(),
                 "ServerInfo": _server_info(),
+                **_program_schemas(),
             },
         },
     }
+
+
+# -- POST /run_program (radixlm.runtime.server.program_api) ---------------------------------------
+def _program_paths(settings: ServerSettings) -> dict[str, Any]:
+    limits = settings.programs
+    summary = ("Run a DSL request graph next to the engine (docs/server.md, \"/run_program\"); limits: "
+               f"{limits.max_program_nodes} nodes, {limits.max_program_fork_width} branches per fork, forks "
+               f"{limits.max_program_fork_depth} deep, {limits.max_program_text_bytes} text bytes, "
+               f"{limits.max_program_gens} gens (--max-program-*), each past it a 400 naming its flag")
+    return {"/run_program": {"post": _op(
+        summary, None, ("400", "404", "408", "429", "503"), _ref("RunProgramRequest"),
+        ok_content={**_json(_ref("RunProgramResponse")), **SSE})}}
+
+
+def _program_schemas() -> dict[str, Schema]:
+    """The request graph's schema comes from its pydantic models (declared once, in the IR)."""
+    from radixlm.runtime.programs.ir import Graph
+
+    graph = Graph.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = graph.pop("$defs", {})
+    any_json = {"description": "any JSON value"}
+    request = _obj({
+        "graph": _ref("Graph"),
+        "stream": _opt({**BOOL, "description": "SSE: {state, var, text} per text event of each state "
+                                               "(state 'root', or 'root/f<fork>.<branch>'), then {done: true, ...}"}),
+        "session_id": _opt({**STR, "description": "the root state's gens are turns of this open session"}),
+        "sampling_defaults": _opt({"type": "object", "description": (
+            "sampling parameters (the DSL's, as in SamplingParams) under every gen's own")}),
+    }, required=("graph",), closed=True)
+    response = _obj({
+        "program": STR,
+        "variables": {"type": "object", "additionalProperties": any_json,
+                      "description": "final variables: select choices, gen texts (typed by dtype); lists for "
+                                     "names set in fork branches"},
+        "meta": {"type": "object", "additionalProperties": any_json,
+                 "description": "per variable: the native meta_info of its gen, or its select's scores"},
+        "text": STR,
+        "messages": {"type": "array", "items": _obj({"role": STR, "content": STR})},
+    }, required=("program", "variables", "meta", "text", "messages"))
+    return {**defs, "Graph": graph, "RunProgramRequest": request, "RunProgramResponse": response}
