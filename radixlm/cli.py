@@ -170,6 +170,11 @@ SERVER_HELP = {
     "max_session_ttl": "the largest ttl /open_session accepts, in seconds",
     "special_tokens_in_content": "read special-token text in chat message content as control tokens "
                                  "(the old behaviour: lets a user inject roles)",
+    "max_program_nodes": "POST /run_program: nodes one request graph may hold (fork branches' included)",
+    "max_program_fork_width": "POST /run_program: branches one fork may have",
+    "max_program_fork_depth": "POST /run_program: forks nested in forks at most",
+    "max_program_text_bytes": "POST /run_program: UTF-8 bytes of a graph's texts and select choices",
+    "max_program_gens": "POST /run_program: generations one program may run (n samples count n)",
 }
 
 
@@ -177,15 +182,29 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerSettings field, defaults from the dataclass."""
     from radixlm.runtime.server.settings import ServerSettings
 
-    group = parser.add_argument_group("ServerSettings")
-    hints = typing.get_type_hints(ServerSettings)
-    for f in dataclasses.fields(ServerSettings):
-        kind = _scalar(hints[f.name])
-        switch: dict[str, Any] = {"nargs": "?", "const": True} if kind is _parse_bool else {}  # --flag: true
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
-                           help=f"{SERVER_HELP.get(f.name, '')} (default: {f.default})", **switch)
+    for cls in (ServerSettings, *_server_parts().values()):
+        group = parser.add_argument_group(cls.__name__)
+        hints = typing.get_type_hints(cls)
+        for f in _flat_fields(cls):
+            kind = _scalar(hints[f.name])
+            switch: dict[str, Any] = {"nargs": "?", "const": True} if kind is _parse_bool else {}  # --flag: true
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+                               help=f"{SERVER_HELP.get(f.name, '')} (default: {f.default})", **switch)
     group.add_argument("--api-key-file", default=None,
                        help="read the API key from this file's first line (else --api-key, else $RADIXLM_API_KEY)")
+
+
+def _server_parts() -> dict[str, Any]:
+    """ServerSettings' nested dataclasses by field name; their fields are flags of their own."""
+    from radixlm.runtime.server.settings import ServerSettings
+
+    return {f.name: f.default_factory for f in dataclasses.fields(ServerSettings)
+            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+
+
+def _flat_fields(cls: Any) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(cls) if f.default_factory is dataclasses.MISSING
+            or not dataclasses.is_dataclass(f.default_factory)]
 
 
 def server_settings(ns: argparse.Namespace) -> Any:
@@ -193,7 +212,9 @@ def server_settings(ns: argparse.Namespace) -> Any:
 
     from radixlm.runtime.server.settings import ServerSettings, resolve_api_key
 
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerSettings)}
+    values: dict[str, Any] = {f.name: getattr(ns, f.name) for f in _flat_fields(ServerSettings)}
+    for name, part in _server_parts().items():  # nested settings (e.g. /run_program's limits)
+        values[name] = part(**{f.name: getattr(ns, f.name) for f in _flat_fields(part)})
     values["api_key"] = resolve_api_key(ns.api_key, getattr(ns, "api_key_file", None), os.environ)
     return ServerSettings(**values)
 

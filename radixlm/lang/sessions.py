@@ -12,12 +12,13 @@ pinned by one prefill-only turn. docs/sessions.md ("The DSL") says why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.lang.backends.base import Backend, Connection, GenRequest
+from radixlm.lang.backends.base import Backend, Connection
 from radixlm.lang.context import DEFAULT_CONTEXT
 from radixlm.lang.interpreter.state import StateCore
+from radixlm.runtime.programs.executor import SessionTurns
 
 
 class Session:
@@ -71,13 +72,11 @@ def session(backend: Any = None, *, capacity: int | None = None, ttl: float | No
 
 
 @dataclass
-class SessionRun:
+class SessionRun(SessionTurns):
     """One run's link to its session: the gens of ``root`` (the run's own state, not its fork
-    branches) are the session's turns."""
+    branches) are the session's turns (radixlm.runtime.programs.executor.SessionTurns)."""
 
-    session: Session
-    root: StateCore
-    covered: str = ""  # the text whose KV the session's newest turn holds
+    session: Session = field(kw_only=True)
 
     @classmethod
     def begin(cls, sess: Session, root: StateCore) -> SessionRun:
@@ -86,22 +85,12 @@ class SessionRun:
         sess._running = True
         root.text, root.messages, root.open_role = sess.text, list(sess.messages), sess.open_role
         root.plain_spans = list(sess.plain_spans)
-        return cls(sess, root, sess.text)
-
-    def params(self, core: StateCore, n: int | None) -> dict[str, Any] | None:
-        """session_params for a gen on ``core``: a turn that resends the whole conversation."""
-        if core is not self.root or (n or 1) != 1:
-            return None
-        return {"id": self.session.id, "replace": True}
+        return cls(sess.id, root, sess.text, session=sess)
 
     async def finish(self, conn: Connection) -> None:
-        """Pin the run's whole text (one prefill-only turn if it grew after the last gen), then
-        let the session continue from it."""
-        root = self.root
-        if root.text != self.covered:
-            await conn.generate(GenRequest(root.text, {"max_new_tokens": 0}, session=self.params(root, 1),
-                                           plain_spans=list(root.plain_spans)))
-        sess = self.session
+        """Pin the run's whole text, then let the session continue from it."""
+        await self.pin(conn)
+        root, sess = self.root, self.session
         sess.text, sess.messages, sess.open_role = root.text, list(root.messages), root.open_role
         sess.plain_spans = list(root.plain_spans)
 

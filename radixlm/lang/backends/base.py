@@ -1,77 +1,43 @@
 """The backend seam of the DSL: what the interpreter needs from a runtime.
 
-A backend opens one connection per run (or run_batch); the connection generates (whole or
-streamed), prefills a prefix (a cache hint that also returns its token count) and returns the
-input-token logprobs that select() scores choices with. A backend on a radixlm runtime also
-opens and closes sessions (whose KV stays pinned between runs).
+A backend opens one connection per run (or run_batch); the connection (defined with the executor
+in radixlm.runtime.programs.connection, re-exported here) generates, prefills and scores. A
+backend on a radixlm runtime also opens and closes sessions (whose KV stays pinned between runs).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
-from typing import Any
 
 from radixlm.runtime.chat_template import ChatTemplate
+from radixlm.runtime.programs.connection import (
+    Connection,
+    GenOutput,
+    GenRequest,
+    ScorePrompt,
+    StreamChunk,
+    TokenLogprob,
+)
+from radixlm.runtime.programs.executor import RunContext
+from radixlm.runtime.programs.ir import Graph
+from radixlm.runtime.programs.state import StateCore
 
-# (logprob, token): the token is an id, or its text where an API gives no ids (OpenAI).
-TokenLogprob = tuple[float | None, int | str]
-# A text, or its tokens as ids (or as token texts, where an API gives no ids).
-ScorePrompt = str | Sequence[int | str]
-
-
-@dataclass(frozen=True)
-class GenRequest:
-    """One generation: the state's text; for chat-only APIs also its finished messages and the
-    open role with its content so far."""
-
-    text: str
-    sampling: dict[str, Any]
-    messages: list[dict[str, str]] = field(default_factory=list)
-    open_role: tuple[str, str] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    session: dict[str, Any] | None = None  # the runtime's session_params: this request is a session turn
-    # sorted [start, end) character ranges of ``text`` that are message content: plain text, never
-    # control tokens (radixlm.runtime.chat_template.encode_with_plain_spans)
-    plain_spans: list[tuple[int, int]] = field(default_factory=list)
+__all__ = ["Backend", "Connection", "GenOutput", "GenRequest", "GraphConnection", "ScorePrompt", "StreamChunk",
+           "TokenLogprob"]
 
 
-@dataclass(frozen=True)
-class GenOutput:
-    text: str
-    meta: dict[str, Any]
+class GraphConnection(Connection):
+    """A connection to a runtime that also runs whole request graphs itself (POST /run_program)."""
 
-
-@dataclass(frozen=True)
-class StreamChunk:
-    """A text delta; the last chunk of a stream carries the request's meta info."""
-
-    text: str
-    meta: dict[str, Any] | None = None
-
-
-class Connection(ABC):
-    """A backend opened for one run; every method may be awaited concurrently."""
+    # True: every program must run as one graph in the runtime; one that reads generated values,
+    # and so has no graph, is an error instead of running node by node
+    requires_graphs: bool = False
 
     @abstractmethod
-    async def generate(self, req: GenRequest) -> list[GenOutput]:
-        """The completions of ``req`` (``n`` of them)."""
-
-    @abstractmethod
-    def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
-        """The completion of ``req`` (n = 1) as it is decoded."""
-
-    @abstractmethod
-    async def prefill(self, text: str) -> int:
-        """Compute (and cache) the KV of ``text``; returns its token count."""
-
-    @abstractmethod
-    async def input_logprobs(self, prompts: Sequence[ScorePrompt], start: int) -> list[list[TokenLogprob]]:
-        """For each prompt (text, or tokens as returned here), (logprob, token) of its tokens from position
-        ``start`` on; the logprob of position 0 is None. One batched call sharing cached prefixes."""
+    async def run_graph(self, graph: Graph, core: StateCore, ctx: RunContext) -> bool:
+        """Run ``graph`` in the runtime, in one request, filling ``core`` as the executor would;
+        False when it does not (the caller then runs the graph node by node)."""
 
 
 class Backend(ABC):

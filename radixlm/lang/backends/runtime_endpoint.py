@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -17,11 +18,19 @@ from radixlm.lang.backends.base import (
     Connection,
     GenOutput,
     GenRequest,
+    GraphConnection,
     ScorePrompt,
     StreamChunk,
     TokenLogprob,
 )
 from radixlm.runtime.chat_template import FALLBACK, ChatTemplate, from_tokenizer
+from radixlm.runtime.programs.connection import prefill_body, score_body, score_rows
+from radixlm.runtime.programs.executor import RunContext
+from radixlm.runtime.programs.ir import Graph
+from radixlm.runtime.programs.state import StateCore
+
+ProgramMode = Literal["auto", "server", "client"]
+PROGRAM_MODES: tuple[ProgramMode, ...] = ("auto", "server", "client")
 
 
 class BackendError(RuntimeError):
@@ -35,6 +44,12 @@ class BackendError(RuntimeError):
 class RuntimeEndpoint(Backend):
     """Run programs on a radixlm (or SGLang-compatible) server at ``base_url``.
 
+    Programs: with ``programs="auto"`` a program that traces to a static graph runs on the
+    server in one POST /run_program (no round trip per gen, select or fork); one that reads
+    generated values, one run in a session, or one whose role markers are not the server's runs
+    step by step over /generate. ``"server"`` forces the first (a program without a graph is a
+    TraceError), ``"client"`` the second.
+
     Role markers: ``chat_template`` when given; else the server's own (``role_markers`` in
     ``/get_model_info``, probed from its tokenizer exactly as the in-process Engine backend
     does); else, for a server that does not report them (SGLang), its tokenizer when
@@ -42,7 +57,11 @@ class RuntimeEndpoint(Backend):
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, chat_template: ChatTemplate | None = None,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, programs: ProgramMode = "auto") -> None:
+        if programs not in PROGRAM_MODES:
+            raise ValueError(f"programs must be one of {', '.join(PROGRAM_MODES)}, got {programs!r}")
+        self.programs = programs
+        self.no_run_program = False  # set when the server answered 404 to /run_program
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
@@ -102,12 +121,49 @@ class RuntimeEndpoint(Backend):
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(self.base_url, headers=self.headers, timeout=timeout,
                                          connector=connector) as session:
-            yield _EndpointConnection(session)
+            yield _EndpointConnection(session, self)
 
 
-class _EndpointConnection(Connection):
-    def __init__(self, session: aiohttp.ClientSession) -> None:
+class _EndpointConnection(GraphConnection):
+    def __init__(self, session: aiohttp.ClientSession, endpoint: RuntimeEndpoint) -> None:
         self.session = session
+        self.endpoint = endpoint
+        self.requires_graphs = endpoint.programs == "server"
+
+    async def run_graph(self, graph: Graph, core: StateCore, ctx: RunContext) -> bool:
+        """POST /run_program: the graph runs next to the engine; its result fills ``core``."""
+        mode = self.endpoint.programs
+        if mode == "client" or self.endpoint.no_run_program:
+            return False
+        why_not = ("it runs in a session (its turns are sent one by one)" if ctx.session is not None else
+                   "its role markers are not the server's" if self.endpoint.template_source != "server" else None)
+        if why_not is not None:
+            if mode == "server":
+                raise ValueError(f"program {graph.program!r} cannot run on the server (programs='server'): {why_not}")
+            return False
+        body = {"graph": graph.model_dump(mode="json"), "stream": ctx.stream,
+                "sampling_defaults": ctx.defaults.to_native()}
+        async with self.session.post("/run_program", json=body) as resp:
+            if resp.status == 404 and mode == "auto" and "program_failed" not in await resp.text():
+                self.endpoint.no_run_program = True  # a server without /run_program (SGLang): step by step
+                return False
+            if resp.status != 200:
+                raise _program_failure(resp.status, await resp.text())
+            if not ctx.stream:
+                _fill(core, await resp.json())
+                return True
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[len(b"data: "):])
+                if "error" in event:
+                    raise _program_failure(500, json.dumps(event))
+                if event.get("done"):
+                    _fill(core, event)
+                elif event["state"] == "root":  # the root state's text events, as the executor appends them
+                    core.append(event["text"], event["var"])
+        return True
 
     async def _post(self, body: dict[str, Any]) -> Any:
         async with self.session.post("/generate", json=body) as resp:
@@ -116,21 +172,13 @@ class _EndpointConnection(Connection):
                 raise BackendError(resp.status, _error_message(text))
             return json.loads(text)
 
-    @staticmethod
-    def _body(req: GenRequest) -> dict[str, Any]:
-        body = {"text": req.text, "sampling_params": req.sampling, "return_logprob": req.return_logprob,
-                "top_logprobs_num": req.top_logprobs_num, "session_params": req.session}
-        if req.plain_spans:  # radixlm's extension: only sent when some content holds special-token text
-            body["plain_text_spans"] = [list(s) for s in req.plain_spans]
-        return body
-
     async def generate(self, req: GenRequest) -> list[GenOutput]:
-        out = await self._post(self._body(req))
+        out = await self._post(req.native_body())
         outs = out if isinstance(out, list) else [out]
         return [GenOutput(o["text"], o["meta_info"]) for o in outs]
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
-        async with self.session.post("/generate", json={**self._body(req), "stream": True}) as resp:
+        async with self.session.post("/generate", json={**req.native_body(), "stream": True}) as resp:
             if resp.status != 200:
                 raise BackendError(resp.status, _error_message(await resp.text()))
             sent = 0
@@ -147,19 +195,33 @@ class _EndpointConnection(Connection):
                 sent = len(text)
 
     async def prefill(self, text: str) -> int:
-        out = await self._post({"text": text, "sampling_params": {"max_new_tokens": 0}})
+        out = await self._post(prefill_body(text))
         n: int = out["meta_info"]["prompt_tokens"]
         return n
 
     async def input_logprobs(self, prompts: Sequence[ScorePrompt], start: int) -> list[list[TokenLogprob]]:
-        body: dict[str, Any] = {"sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                                "logprob_start_len": start}
-        if all(isinstance(p, str) for p in prompts):
-            body["text"] = list(prompts)
-        else:
-            body["input_ids"] = [list(p) for p in prompts]
-        outs = await self._post(body)
-        return [[(e[0], e[1]) for e in o["meta_info"]["input_token_logprobs"]] for o in outs]
+        outs = await self._post(score_body(prompts, start))
+        return score_rows([o["meta_info"] for o in outs])
+
+
+def _fill(core: StateCore, result: dict[str, Any]) -> None:
+    """A state as /run_program's result left it (its text as one event when none was streamed)."""
+    if not core.events:
+        core.append(result["text"])
+    core.text = result["text"]
+    core.variables.update(result["variables"])
+    core.meta.update(result["meta"])
+    core.messages[:] = result["messages"]
+
+
+def _program_failure(status: int, body: str) -> BackendError:
+    """/run_program's error; its note names the variable whose gen or select failed."""
+    err = BackendError(status, _error_message(body))
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        detail = json.loads(body)["error"]
+        if detail.get("state") is not None:
+            err.add_note(f"variable {detail.get('variable')!r} failed on state {detail.get('state')!r}")
+    return err
 
 
 def _error_message(body: str) -> str:

@@ -1,218 +1,46 @@
-"""The request graph: a versioned, JSON-serializable IR of one traced program (pydantic models).
+"""The request graph (IR): defined in radixlm.runtime.programs.ir (the runtime runs graphs too, and never imports the DSL);
+re-exported here for the DSL and for compatibility."""
 
-A graph is a sequence of nodes for the root state. A ``fork`` node holds one node sequence per
-branch; a later ``join`` node in the same sequence names the fork it gathers. Loading validates
-the structure (versions, known ops, balanced roles and variable scopes, joins after their forks,
-sampling values) and raises ``GraphError`` with every problem found.
-"""
-
-from __future__ import annotations
-
-import json
-from typing import Annotated, Any, Literal
-
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
+from radixlm.runtime.programs.ir import (
+    IR_VERSION,
+    JOIN_MODES,
+    MAX_FORK_DEPTH,
+    Constraint,
+    ForkNode,
+    GenNode,
+    Graph,
+    GraphError,
+    JoinMode,
+    JoinNode,
+    Node,
+    Role,
+    RoleBeginNode,
+    RoleEndNode,
+    SelectNode,
+    TextNode,
+    VarBeginNode,
+    VarEndNode,
+    graph_json_schema,
 )
 
-from radixlm.lang.frontend.sampling import SamplingArgs
-
-IR_VERSION: Literal[1] = 1
-# Forks nest at most this deep, so every valid graph also loads from its own JSON text (the JSON
-# parser stops at 200 levels of nesting; each fork takes four).
-MAX_FORK_DEPTH = 32
-Role = Literal["system", "user", "assistant"]
-JoinMode = Literal["gather_variable", "concate_and_append"]
-JOIN_MODES: tuple[JoinMode, ...] = ("gather_variable", "concate_and_append")
-
-
-class GraphError(ValueError):
-    """A request graph failed validation; the message lists each problem with its location."""
-
-
-class _Node(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TextNode(_Node):
-    """Constant text appended to the state."""
-
-    op: Literal["text"] = "text"
-    text: str
-
-
-class RoleBeginNode(_Node):
-    op: Literal["role_begin"] = "role_begin"
-    role: Role
-
-
-class RoleEndNode(_Node):
-    op: Literal["role_end"] = "role_end"
-    role: Role
-
-
-class VarBeginNode(_Node):
-    """Start of ``var_scope(name)``: the text up to the matching end becomes variable ``name``."""
-
-    op: Literal["var_begin"] = "var_begin"
-    name: str = Field(min_length=1)
-
-
-class VarEndNode(_Node):
-    op: Literal["var_end"] = "var_end"
-    name: str = Field(min_length=1)
-
-
-class Constraint(_Node):
-    """An output constraint passed to the runtime's grammar backend."""
-
-    kind: Literal["regex", "json_schema", "ebnf"]
-    spec: str = Field(min_length=1)
-
-
-class GenNode(_Node):
-    """One generation call; its sampling values override the run's defaults field by field."""
-
-    op: Literal["gen"] = "gen"
-    name: str | None = None
-    sampling: SamplingArgs = SamplingArgs()
-    constraint: Constraint | None = None
-    dtype: Literal["int", "float", "bool", "str"] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0)
-
-    @field_validator("sampling")
-    @classmethod
-    def _sampling_is_valid(cls, v: SamplingArgs) -> SamplingArgs:
-        v.check()
-        return v
-
-
-class SelectNode(_Node):
-    """Pick one of ``choices`` by the logprobs the model gives each after the state's text."""
-
-    op: Literal["select"] = "select"
-    name: str | None = None
-    choices: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
-    method: Literal["token_length_normalized", "greedy_token_selection",
-                    "unconditional_likelihood_normalized"] = "token_length_normalized"
-
-
-class ForkNode(_Node):
-    """Copy the state into ``len(branches)`` branches that run concurrently."""
-
-    op: Literal["fork"] = "fork"
-    id: int = Field(ge=0)
-    branches: list[list[Node]] = Field(min_length=1)
-
-
-class JoinNode(_Node):
-    """Wait for fork ``fork``'s branches; gather their new variables as lists (or append their text)."""
-
-    op: Literal["join"] = "join"
-    fork: int = Field(ge=0)
-    mode: JoinMode = "gather_variable"
-
-
-Node = Annotated[
-    TextNode | RoleBeginNode | RoleEndNode | VarBeginNode | VarEndNode | GenNode | SelectNode | ForkNode | JoinNode,
-    Field(discriminator="op"),
+__all__ = [
+    "Constraint",
+    "ForkNode",
+    "GenNode",
+    "Graph",
+    "graph_json_schema",
+    "GraphError",
+    "IR_VERSION",
+    "JOIN_MODES",
+    "JoinMode",
+    "JoinNode",
+    "MAX_FORK_DEPTH",
+    "Node",
+    "Role",
+    "RoleBeginNode",
+    "RoleEndNode",
+    "SelectNode",
+    "TextNode",
+    "VarBeginNode",
+    "VarEndNode",
 ]
-ForkNode.model_rebuild()
-
-
-class Graph(BaseModel):
-    """A traced program: its name and the root state's node sequence."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    version: Literal[1] = IR_VERSION
-    program: str = ""
-    nodes: list[Node]
-
-    @model_validator(mode="after")
-    def _check_structure(self) -> Graph:
-        problems: list[str] = []
-        _check_sequence(self.nodes, "nodes", set(), [], problems)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-    def to_json(self, indent: int | None = None) -> str:
-        return self.model_dump_json(indent=indent)
-
-    @classmethod
-    def from_json(cls, data: str | bytes | dict[str, Any]) -> Graph:
-        """Load and validate a graph; raises GraphError naming every invalid field."""
-        try:
-            if isinstance(data, dict):
-                return cls.model_validate(data)
-            return cls.model_validate_json(data)
-        except ValidationError as e:
-            raise GraphError(_describe(e)) from None
-
-
-def _check_sequence(nodes: list[Any], where: str, fork_ids: set[int], open_roles: list[str],
-                    problems: list[str], depth: int = 0) -> None:
-    """Roles and var scopes balance (a branch inherits the roles open at its fork); joins follow
-    their forks; fork ids are unique; forks nest at most MAX_FORK_DEPTH deep."""
-    roles = list(open_roles)
-    scopes: list[str] = []
-    forks_here: set[int] = set()
-    for i, node in enumerate(nodes):
-        at = f"{where}[{i}]"
-        if isinstance(node, RoleBeginNode):
-            if roles:
-                problems.append(f"{at}: role {node.role!r} begins inside the open role {roles[-1]!r}")
-            roles.append(node.role)
-        elif isinstance(node, RoleEndNode):
-            if not roles or roles[-1] != node.role:
-                problems.append(f"{at}: role_end {node.role!r} without a matching role_begin")
-            else:
-                roles.pop()
-        elif isinstance(node, VarBeginNode):
-            scopes.append(node.name)
-        elif isinstance(node, VarEndNode):
-            if not scopes or scopes[-1] != node.name:
-                problems.append(f"{at}: var_end {node.name!r} without a matching var_begin")
-            else:
-                scopes.pop()
-        elif isinstance(node, ForkNode):
-            if depth == MAX_FORK_DEPTH:
-                problems.append(f"{_short(at)}: forks nested more than {MAX_FORK_DEPTH} deep")
-                continue
-            if node.id in fork_ids:
-                problems.append(f"{at}: fork id {node.id} is used twice")
-            fork_ids.add(node.id)
-            forks_here.add(node.id)
-            for b, branch in enumerate(node.branches):
-                _check_sequence(branch, f"{at}.branches[{b}]", fork_ids, roles, problems, depth + 1)
-        elif isinstance(node, JoinNode):
-            if node.fork not in forks_here:
-                problems.append(f"{at}: join of fork {node.fork}, which is not forked earlier in this sequence")
-            forks_here.discard(node.fork)
-    if scopes:
-        problems.append(f"{where}: var_scope {scopes[-1]!r} is never closed")
-
-
-def _describe(e: ValidationError) -> str:
-    lines = [f"invalid request graph ({e.error_count()} problem(s)):"]
-    for err in e.errors():
-        loc = _short(".".join(str(p) for p in err["loc"]) or "<root>")
-        lines.append(f"  {loc}: {err['msg']}")
-    return "\n".join(lines)
-
-
-def _short(location: str) -> str:
-    """A location in a deeply nested graph: its start and its end say where."""
-    return location if len(location) <= 160 else f"{location[:80]}...{location[-60:]}"
-
-
-def graph_json_schema() -> str:
-    """The graph's JSON Schema, for clients that build graphs in other languages."""
-    return json.dumps(Graph.model_json_schema(), indent=2)

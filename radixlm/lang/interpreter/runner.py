@@ -17,7 +17,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.lang.backends.base import Backend, Connection
+from radixlm.lang.backends.base import Backend, Connection, GraphConnection
 from radixlm.lang.frontend.sampling import SamplingArgs
 from radixlm.lang.interpreter.executor import RunContext, execute, run_sequence
 from radixlm.lang.interpreter.handles import (
@@ -67,7 +67,11 @@ async def run_traced(func: Callable[..., Any], name: str, args: Sequence[Any], k
     try:
         traced = traced or trace(func, name, args, kwargs)
         if traced.graph is not None:
-            await run_sequence(core, traced.graph.nodes, dataclasses.replace(ctx, sites=traced.sites))
+            if not await _run_remote(traced.graph, core, ctx):  # in the runtime when it can
+                await run_sequence(core, traced.graph.nodes, dataclasses.replace(ctx, sites=traced.sites))
+        elif isinstance(ctx.conn, GraphConnection) and ctx.conn.requires_graphs:
+            raise TraceError(f"{name} reads a generated value, so it has no static graph to run on the server; "
+                             "use RuntimeEndpoint(..., programs='auto') to run it step by step")
         else:
             await _run_live(func, args, kwargs, core, ctx, pool)
     except BaseException as e:
@@ -79,11 +83,17 @@ async def run_traced(func: Callable[..., Any], name: str, args: Sequence[Any], k
 async def run_graph_on(graph: Graph, core: StateCore, ctx: RunContext) -> None:
     """Run a loaded graph (e.g. received as JSON) on ``core``."""
     try:
-        await run_sequence(core, graph.nodes, ctx)
+        if not await _run_remote(graph, core, ctx):
+            await run_sequence(core, graph.nodes, ctx)
     except BaseException as e:
         core.finish(e)
         raise
     core.finish()
+
+
+async def _run_remote(graph: Graph, core: StateCore, ctx: RunContext) -> bool:
+    """Run the whole graph in the runtime when the connection can (POST /run_program)."""
+    return isinstance(ctx.conn, GraphConnection) and await ctx.conn.run_graph(graph, core, ctx)
 
 
 async def _run_live(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], core: StateCore,

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from radixlm.runtime.server import native_api, openai_api
+from radixlm.runtime.server import native_api, openai_api, program_api
 from radixlm.runtime.server.context import CONTEXT, ServerContext
 from radixlm.runtime.server.errors import ApiError, error_body
 from radixlm.runtime.server.metrics import CONTENT_TYPE
@@ -28,6 +28,7 @@ def create_app(ctx: ServerContext) -> web.Application:
     app[CONTEXT] = ctx
     app.add_routes(native_api.routes())
     app.add_routes(openai_api.routes())
+    app.add_routes(program_api.routes())
     app.add_routes([web.get("/metrics", metrics), web.get("/openapi.json", openapi)])
     return app
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from radixlm.runtime.programs.limits import ProgramLimits
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class ServerSettings:
     max_sessions: int = 1024  # open sessions at most; /open_session past it: 429
     max_session_ttl: float = 86400.0  # the largest ttl /open_session accepts, in seconds
     special_tokens_in_content: bool = False  # true: special-token text in chat content becomes control tokens
+    programs: ProgramLimits = field(default_factory=ProgramLimits)  # POST /run_program's limits, a flag each
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

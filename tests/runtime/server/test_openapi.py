@@ -13,7 +13,7 @@ from json_tree import json_objects
 
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.sampling_params import ALIASES, EMPTY_ONLY, SamplingParams
-from radixlm.runtime.server import native_api, openai_api
+from radixlm.runtime.server import native_api, openai_api, program_api
 from radixlm.runtime.server.app import create_app
 from radixlm.runtime.server.context import ServerContext
 from radixlm.runtime.server.openapi import openapi_spec
@@ -76,7 +76,9 @@ def test_request_fields_are_exactly_what_the_handlers_accept(spec):
     extra = set(openai_api.IGNORED_FIELDS) | set(openai_api.UNSUPPORTED_FIELDS)
     assert fields("CompletionRequest") == set(openai_api.COMPLETION_FIELDS) | extra
     assert fields("ChatCompletionRequest") == set(openai_api.CHAT_FIELDS) | extra
-    for name in ("SamplingParams", "SessionParams", "GenerateRequest", "CompletionRequest", "ChatCompletionRequest"):
+    assert fields("RunProgramRequest") == set(program_api.RUN_PROGRAM_FIELDS)
+    for name in ("SamplingParams", "SessionParams", "GenerateRequest", "CompletionRequest", "ChatCompletionRequest",
+                 "RunProgramRequest"):
         assert schema_of(spec, name)["additionalProperties"] is False, name  # unknown fields are a 400
 
 
@@ -104,3 +106,21 @@ def test_error_responses_are_described_on_every_operation(spec):
                 assert "401" in op["responses"], (method, path)
             if method in METHODS and "requestBody" in op:
                 assert {"400", "413"} <= set(op["responses"]), (method, path)
+
+
+def test_run_program_graph_schema_is_the_irs_own_and_accepts_a_traced_graph(spec):
+    import radixlm as rl
+
+    @rl.function
+    def prog(s):
+        s += "Q:" + rl.gen("a", max_tokens=2)
+        f = s.fork(2)
+        f += rl.select("c", choices=["x", "y"])
+        f.join()
+
+    graph = json.loads(prog.trace().to_json())
+    resolver_spec = {**spec, **spec["components"]["schemas"]["RunProgramRequest"]}
+    jsonschema.validate({"graph": graph, "stream": True}, resolver_spec)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"graph": {"nodes": [{"op": "bogus"}]}}, resolver_spec)
+    assert "1024 gens (--max-program-*)" in spec["paths"]["/run_program"]["post"]["summary"]

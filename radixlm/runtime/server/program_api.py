@@ -1,0 +1,254 @@
+"""POST /run_program: a DSL request graph (radixlm.runtime.programs.ir) run next to the engine.
+
+The graph is validated by the IR's own validator and the server's ProgramLimits, then run by the
+same executor the DSL runs client-side (radixlm.runtime.programs.executor), over an in-process
+connection whose every request is a native /generate body parsed exactly as that route parses
+it. So a program gives the same variables either way; it just skips one HTTP round trip per gen,
+select and fork. A graph is data: nothing in it is executed as code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from radixlm.runtime.chat_template import ChatTemplate
+from radixlm.runtime.programs.connection import (
+    Connection,
+    GenOutput,
+    GenRequest,
+    ScorePrompt,
+    StreamChunk,
+    TokenLogprob,
+    prefill_body,
+    score_body,
+    score_rows,
+)
+from radixlm.runtime.programs.executor import RunContext, SessionTurns, failed_at, run_sequence
+from radixlm.runtime.programs.ir import Graph, GraphError
+from radixlm.runtime.programs.limits import ProgramLimits, check_limits
+from radixlm.runtime.programs.sampling import SamplingArgs
+from radixlm.runtime.programs.state import StateCore, TextEvent
+from radixlm.runtime.server.context import CONTEXT, ServerContext
+from radixlm.runtime.server.errors import ApiError
+from radixlm.runtime.server.fields import check_keys, get_bool, get_str
+from radixlm.runtime.server.native_api import GenerateSpec, native_meta, parse_generate
+from radixlm.runtime.server.payload import json_response, read_json_object
+from radixlm.runtime.server.sse import event_stream, send_event
+
+RUN_PROGRAM_FIELDS = ("graph", "stream", "session_id", "sampling_defaults")
+
+
+def routes() -> list[web.RouteDef]:
+    return [web.post("/run_program", run_program)]
+
+
+class ProgramError(ApiError):
+    """An ApiError that also lists every problem of a graph, or names the variable whose gen or
+    select failed (and the state it ran on)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 errors: list[str] | None = None, variable: str | None = None, state: str | None = None) -> None:
+        super().__init__(status, message, param, code)
+        self.errors, self.variable, self.state = errors, variable, state
+
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        if self.errors is not None:
+            out["error"]["errors"] = self.errors
+        if self.state is not None:
+            out["error"]["variable"] = self.variable
+            out["error"]["state"] = self.state
+        return out
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    graph: Graph
+    stream: bool
+    session_id: str | None
+    defaults: SamplingArgs
+
+
+def parse_program(body: dict[str, Any], limits: ProgramLimits) -> ProgramSpec:
+    """Validate a /run_program body: the IR's validator (every problem listed), then the limits."""
+    check_keys(body, RUN_PROGRAM_FIELDS)
+    stream, session_id = get_bool(body, "stream"), get_str(body, "session_id")
+    raw_defaults = body.get("sampling_defaults") or {}
+    if not isinstance(raw_defaults, dict):
+        raise ApiError(400, "sampling_defaults must be an object of sampling parameters", param="sampling_defaults")
+    try:
+        defaults = SamplingArgs.from_kwargs(raw_defaults)
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, f"invalid sampling_defaults: {e}", param="sampling_defaults") from None
+    raw = body.get("graph")
+    if not isinstance(raw, dict):
+        raise ApiError(400, "graph is required: a request graph object (radixlm.Graph.to_json())", param="graph")
+    try:
+        graph = Graph.from_json(raw)
+    except GraphError as e:
+        raise ProgramError(400, str(e), "graph", "invalid_graph", errors=e.problems) from None
+    except RecursionError:
+        raise ProgramError(400, "invalid request graph: nested too deeply", "graph", "invalid_graph",
+                           errors=["graph: nested too deeply"]) from None
+    problems = check_limits(graph, limits, defaults.n)
+    if problems:
+        raise ProgramError(400, "; ".join(p.message for p in problems), problems[0].flag, "program_too_large",
+                           errors=[p.message for p in problems])
+    return ProgramSpec(graph, stream, session_id, defaults)
+
+
+async def run_program(request: web.Request) -> web.StreamResponse:
+    """Run one request graph; its variables and meta info, or (stream) its text events then them."""
+    ctx = request.app[CONTEXT]
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    tok, _ = ctx.require_ready()
+    spec = await asyncio.to_thread(parse_program, body, ctx.settings.programs)
+    core = StateCore()
+    link = SessionTurns(spec.session_id, core) if spec.session_id is not None else None
+    run_ctx = RunContext(ServerConnection(ctx), ChatTemplate.from_dict(tok.role_markers()), spec.defaults,
+                         spec.stream, spec.graph.program, session=link)
+    with ctx.busy():
+        if spec.stream:
+            return await _stream(request, spec.graph, core, run_ctx, link)
+        try:
+            await _run(spec.graph, core, run_ctx, link)
+        except Exception as e:  # noqa: BLE001 - every failure leaves as an error naming its variable
+            raise program_error(e, core) from None
+        return json_response(program_result(spec.graph, core))
+
+
+async def _run(graph: Graph, core: StateCore, ctx: RunContext, link: SessionTurns | None) -> None:
+    await run_sequence(core, graph.nodes, ctx)
+    if link is not None:
+        await link.pin(ctx.conn)
+
+
+async def _stream(request: web.Request, graph: Graph, core: StateCore, ctx: RunContext,
+                  link: SessionTurns | None) -> web.StreamResponse:
+    """One event per text event of every state, in each state's order, then the result (or the error)."""
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    def heard(state: StateCore, event: TextEvent) -> None:
+        queue.put_nowait({"state": state.path, "var": event.var, "text": event.text})
+
+    core.listener = heard
+
+    async def program() -> None:
+        try:
+            await _run(graph, core, ctx, link)
+        finally:
+            queue.put_nowait(None)
+
+    task = asyncio.create_task(program())
+    try:
+        async with event_stream(request) as resp:
+            while (item := await queue.get()) is not None:
+                await send_event(resp, item)
+            try:
+                await task
+            except Exception as e:  # noqa: BLE001 - the program's error ends its stream
+                await send_event(resp, program_error(e, core).body())
+            else:
+                await send_event(resp, {"done": True, **program_result(graph, core)})
+        return resp
+    finally:  # the client left, or the stream failed: every request of the program is aborted
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def program_result(graph: Graph, core: StateCore) -> dict[str, Any]:
+    return {"program": graph.program, "variables": json_safe(core.variables), "meta": json_safe(core.meta),
+            "text": core.text, "messages": core.messages}
+
+
+def program_error(e: BaseException, root: StateCore) -> ProgramError:
+    """The error of a failed program, naming the gen or select (its variable) that failed."""
+    node, state = failed_at(e) or (None, root.path)
+    variable = getattr(node, "name", None)
+    what = f"{node.op}({variable!r})" if node is not None and variable else (node.op if node is not None else None)
+    notes = "; ".join(getattr(e, "__notes__", ()))
+    if isinstance(e, ApiError):
+        status, message, code = e.status, e.message, e.code
+    elif isinstance(e, (ValueError, TypeError)):
+        status, message, code = 400, str(e), None
+    else:
+        status, message, code = 500, f"{type(e).__name__}: {e}", None
+    head = f"{what} failed: " if what else ""
+    return ProgramError(status, head + message + (f" ({notes})" if notes else ""), code=code or "program_failed",
+                        variable=variable, state=state)
+
+
+def json_safe(value: Any) -> Any:
+    """Variables and meta as standard JSON: tuples become lists, non-finite floats null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class ServerConnection(Connection):
+    """The executor's connection inside the server: each request is a native /generate body,
+    parsed by that route's own parser and run through the dispatcher (admission, abort on exit)."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def _spec(self, body: dict[str, Any]) -> GenerateSpec:
+        tok = self.ctx.tokenizer
+        assert tok is not None  # the handler checked the server is ready
+        s = self.ctx.settings
+        return await asyncio.to_thread(parse_generate, body, tok, s.max_top_logprobs, s.max_queued_requests)
+
+    @contextlib.asynccontextmanager
+    async def _events(self, spec: GenerateSpec) -> AsyncIterator[Any]:
+        dispatcher = self.ctx.dispatcher
+        assert dispatcher is not None
+        async with dispatcher.run(spec.jobs, time.perf_counter()) as events:
+            yield events
+
+    async def _outputs(self, body: dict[str, Any]) -> list[GenOutput]:
+        spec = await self._spec(body)
+        tok = self.ctx.tokenizer
+        assert tok is not None
+        n = len(spec.jobs)
+        texts, metas = [""] * n, [dict[str, Any]() for _ in range(n)]
+        async with self._events(spec) as events:
+            async for ev in events:
+                if ev.error is not None:
+                    raise ev.error
+                texts[ev.index] += ev.output.text_delta
+                if ev.output.finished:
+                    metas[ev.index] = native_meta(ev.output.meta, tok, False)
+        return [GenOutput(t, m) for t, m in zip(texts, metas)]
+
+    async def generate(self, req: GenRequest) -> list[GenOutput]:
+        return await self._outputs(req.native_body())
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
+        spec = await self._spec(req.native_body())
+        tok = self.ctx.tokenizer
+        assert tok is not None
+        async with self._events(spec) as events:
+            async for ev in events:
+                if ev.error is not None:
+                    raise ev.error
+                out = ev.output
+                yield StreamChunk(out.text_delta, native_meta(out.meta, tok, False) if out.finished else None)
+
+    async def prefill(self, text: str) -> int:
+        n: int = (await self._outputs(prefill_body(text)))[0].meta["prompt_tokens"]
+        return n
+
+    async def input_logprobs(self, prompts: Sequence[ScorePrompt], start: int) -> list[list[TokenLogprob]]:
+        return score_rows([o.meta for o in await self._outputs(score_body(prompts, start))])

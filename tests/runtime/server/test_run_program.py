@@ -1,0 +1,241 @@
+"""POST /run_program on a real server: programs give the same variables run on the server as run
+step by step by the client (greedy), streams carry every state's text events, bad graphs are 400s
+listing their problems, a failing gen names its variable without touching other programs, and a
+client that leaves aborts every request of its program."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from server_harness import read_sse, start_server
+
+import radixlm as rl
+from radixlm.lang.backends.runtime_endpoint import BackendError, RuntimeEndpoint
+
+ROOT = Path(__file__).resolve().parents[3]
+OPTIONS = ["--dtype=float32", "--max-total-tokens=8000", "--context-length=2048", "--max-program-gens=40",
+           "--max-program-fork-depth=3", "--max-program-fork-width=4", "--max-program-text-bytes=20000",
+           "--max-program-nodes=400"]
+
+
+def load(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def server(default_source):
+    s = start_server(*OPTIONS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def both(server):
+    """The same server, programs run step by step by the client, and as one /run_program each."""
+    return RuntimeEndpoint(server.url, programs="client"), RuntimeEndpoint(server.url, programs="server")
+
+
+def graph_of(func: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return json.loads(func.trace(*args, **kwargs).to_json())
+
+
+# -- the same results both ways ----------------------------------------------------------------
+def test_lang_test_programs_give_the_same_variables_both_ways(both):
+    progs = load(ROOT / "tests" / "lang" / "test_programs.py", "lang_test_programs")
+    calls = [(progs.few_shot_qa, ("What is the capital of Italy?",)),
+             (progs.multi_turn, ("Hi!", "Name a colour.")),
+             (progs.select_and_regex, ()),
+             (progs.fork_join, ()),
+             (progs.nested_forks, ()),
+             (progs.with_logprobs, ())]
+    client, remote = both
+    for func, args in calls:
+        a = func.run(*args, backend=client, temperature=0)
+        b = func.run(*args, backend=remote, temperature=0)
+        assert b.variables() == a.variables(), func.name
+        assert b.text() == a.text() and b.messages() == a.messages(), func.name
+    meta = b.get_meta_info("days")  # with_logprobs: the gen's logprobs come back, as over /generate
+    assert [e[1] for e in meta["output_token_logprobs"]] == [e[1] for e in a.get_meta_info("days")["output_token_logprobs"]]
+    assert len(meta["output_top_logprobs"][0]) == 2
+
+
+def test_examples_give_the_same_variables_both_ways(both):
+    client, remote = both
+    tot = load(ROOT / "examples" / "agents" / "tree_of_thought.py", "agents_tot")
+    args = (tot.PROBLEM, 2, 2, 4)
+    a = tot.tree_of_thought.run(*args, backend=client, temperature=0)
+    b = tot.tree_of_thought.run(*args, backend=remote, temperature=0)
+    assert b.variables() == a.variables() and len(b["step2"]) == 2
+    ex = load(ROOT / "examples" / "agents" / "json_extraction.py", "agents_json")
+    a_batch = ex.extract.run_batch([{"text": t} for t in ex.TEXTS[:2]], backend=client, temperature=0)
+    b_batch = ex.extract.run_batch([{"text": t} for t in ex.TEXTS[:2]], backend=remote, temperature=0)
+    assert [s.variables() for s in b_batch] == [s.variables() for s in a_batch]
+
+
+def test_a_program_that_reads_values_falls_back_or_is_refused_when_forced(server, both):
+    progs = load(ROOT / "tests" / "lang" / "test_programs.py", "lang_test_programs2")
+    auto = RuntimeEndpoint(server.url)
+    state = progs.reads_values.run(backend=auto, temperature=0)
+    assert state["yn"] in (" yes", " no") and "why" in state.variables() and state.text().count("|") == 1
+    with pytest.raises(rl.TraceError):
+        progs.reads_values.run(backend=both[1], temperature=0)
+
+
+# -- streaming ---------------------------------------------------------------------------------
+@rl.function
+def forked(s):
+    s += "List two fruits:" + rl.gen("first", max_tokens=4, ignore_eos=True)
+    f = s.fork(2)
+    for i, b in enumerate(f):
+        b += f"\n{i}." + rl.gen("fruit", max_tokens=3, ignore_eos=True)
+    f.join()
+    s += "\nDone:" + rl.select("done", choices=[" yes", " no"])
+
+
+def test_stream_sends_each_states_text_in_order_then_the_result(server):
+    async def go() -> list[Any]:
+        async with aiohttp.ClientSession() as http:
+            body = {"graph": graph_of(forked), "stream": True, "sampling_defaults": {"temperature": 0}}
+            async with http.post(server.url + "/run_program", json=body) as resp:
+                assert resp.status == 200
+                return await read_sse(resp)
+
+    events = asyncio.run(go())
+    assert events[-1] == "[DONE]"
+    final = events[-2]
+    assert final["done"] is True and len(final["variables"]["fruit"]) == 2
+    texts = [e for e in events[:-2]]
+    root = "".join(e["text"] for e in texts if e["state"] == "root")
+    assert root == final["text"]
+    first = "".join(e["text"] for e in texts if e["state"] == "root" and e["var"] == "first")
+    assert first == final["variables"]["first"]
+    for i in range(2):  # each branch streamed its own gen, in order
+        branch = "".join(e["text"] for e in texts if e["state"] == f"root/f0.{i}" and e["var"] == "fruit")
+        assert branch == final["variables"]["fruit"][i]
+    status, plain = server.post("/run_program", {"graph": graph_of(forked), "sampling_defaults": {"temperature": 0}})
+    assert status == 200 and plain["variables"] == final["variables"]
+
+
+def test_streamed_run_from_the_client_matches(both):
+    client, remote = both
+    a = forked.run(backend=client, temperature=0)
+    state = forked.run(backend=remote, temperature=0, stream=True)
+    streamed = "".join(state.text_iter())
+    assert streamed == state.text() == a.text() and state.variables() == a.variables()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def fork_chain(depth: int) -> list[dict[str, Any]]:
+    nodes: list[dict[str, Any]] = [{"op": "gen", "name": "x", "sampling": {"max_new_tokens": 1}}]
+    for i in range(depth):
+        nodes = [{"op": "fork", "id": i, "branches": [nodes]}, {"op": "join", "fork": i}]
+    return nodes
+
+
+@pytest.mark.parametrize("graph, param, needle", [
+    ({"nodes": [{"op": "role_end", "role": "user"}, {"op": "join", "fork": 7}]}, "graph", "join of fork 7"),
+    ({"nodes": [{"op": "exec", "code": "import os"}]}, "graph", "does not match any of the expected tags"),
+    ({"nodes": [{"op": "fork", "id": 1, "branches": [[{"op": "fork", "id": 1, "branches": [[]]}]]},
+                {"op": "join", "fork": 1}]}, "graph", "fork id 1 is used twice"),
+    ({"nodes": "text"}, "graph", "nodes"),
+    ({"nodes": fork_chain(4)}, "max_program_fork_depth", "--max-program-fork-depth"),
+    ({"nodes": [{"op": "fork", "id": 0, "branches": [[]] * 5}, {"op": "join", "fork": 0}]},
+     "max_program_fork_width", "--max-program-fork-width"),
+    ({"nodes": [{"op": "text", "text": "x" * 20001}]}, "max_program_text_bytes", "--max-program-text-bytes"),
+    ({"nodes": [{"op": "gen", "sampling": {"max_new_tokens": 1}}] * 41}, "max_program_gens", "--max-program-gens"),
+    ({"nodes": [{"op": "text", "text": "a"}] * 401}, "max_program_nodes", "--max-program-nodes"),
+])
+def test_bad_graphs_are_400s_listing_every_problem(server, graph, param, needle):
+    status, out = server.post("/run_program", {"graph": graph})
+    assert status == 400, out
+    err = out["error"]
+    assert err["param"] == param and needle in err["message"]
+    assert err["errors"] and any(needle in p for p in err["errors"])
+
+
+def test_two_problems_are_both_listed(server):
+    status, out = server.post("/run_program", {"graph": {"nodes": [
+        {"op": "role_end", "role": "user"}, {"op": "var_end", "name": "v"}]}})
+    assert status == 400 and len(out["error"]["errors"]) == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "graph"), ({"graph": []}, "graph"), ({"graph": {"nodes": []}, "program": "x"}, "program"),
+    ({"graph": {"nodes": []}, "sampling_defaults": {"temperature": -1}}, "sampling_defaults"),
+    ({"graph": {"nodes": []}, "stream": "yes"}, "stream"),
+])
+def test_bad_bodies_are_400s_naming_the_field(server, body, param):
+    status, out = server.post("/run_program", body)
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+# -- failures and aborts -----------------------------------------------------------------------
+@rl.function
+def bad_regex(s):
+    s += "Number:" + rl.gen("ok", max_tokens=2)
+    s += " Code:" + rl.gen("code", regex="([a-z", max_tokens=4)
+
+
+def test_a_failing_gen_names_its_variable_and_other_programs_finish(server, both):
+    async def go() -> tuple[list[Any], dict[str, Any]]:
+        async with aiohttp.ClientSession() as http:
+            async def failing() -> list[Any]:
+                async with http.post(server.url + "/run_program",
+                                     json={"graph": graph_of(bad_regex), "stream": True}) as resp:
+                    return await read_sse(resp)
+
+            async def good() -> dict[str, Any]:
+                async with http.post(server.url + "/run_program", json={
+                        "graph": graph_of(forked), "sampling_defaults": {"temperature": 0}}) as resp:
+                    assert resp.status == 200
+                    return await resp.json()
+
+            return await asyncio.gather(failing(), good())
+
+    events, other = asyncio.run(go())
+    error = events[-2]["error"]
+    assert error["variable"] == "code" and error["state"] == "root" and "gen('code')" in error["message"]
+    assert not any(e.get("done") for e in events[:-1] if isinstance(e, dict))
+    assert len(other["variables"]["fruit"]) == 2
+    status, out = server.post("/run_program", {"graph": graph_of(bad_regex)})  # not streamed: the HTTP error
+    assert status == 400 and out["error"]["variable"] == "code"
+    with pytest.raises(BackendError) as err:
+        bad_regex.run(backend=both[1])
+    assert "'code'" in "".join(err.value.__notes__)
+
+
+@rl.function
+def long_fork(s):
+    s += "Count to a thousand:"
+    f = s.fork(2)
+    f += rl.gen("count", max_tokens=1900, ignore_eos=True)
+    f.join()
+
+
+def test_client_disconnect_aborts_every_request_of_the_program(server):
+    async def go() -> None:
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(server.url + "/run_program", json={"graph": graph_of(long_fork), "stream": True})
+            assert resp.status == 200
+            seen: set[str] = set()
+            while len(seen) < 2:  # both branches are decoding
+                line = (await resp.content.readline()).strip()
+                if line.startswith(b"data: "):
+                    seen.add(json.loads(line[6:])["state"])
+                    seen.discard("root")
+            resp.close()
+
+    asyncio.run(go())
+    info = server.wait_until("the program's requests to be aborted",
+                             lambda i: i["requests_in_flight"] == 0 and i["stats"]["running_requests"] == 0)
+    assert info["http_handlers_in_flight"] == 0
+    assert server.metric("radixlm_requests_total", 'finish_reason="abort"') >= 2  # not left to finish
