@@ -201,6 +201,24 @@ def _same_vocabulary(tokenizer: Any, vocab: TokenizerVocab) -> None:
                              "use another grammar backend for this tokenizer")
 
 
+class _VocabTokens:
+    """Our token bytes in the shape llguidance's ``TokenizerWrapper`` reads; text is tokenized by
+    the Hugging Face Rust tokenizer the engine uses. Ids never allowed in constrained text are
+    special tokens there."""
+
+    def __init__(self, vocab: TokenizerVocab) -> None:
+        from tokenizers import Tokenizer
+
+        self._rust = Tokenizer.from_str(vocab.hf_json)
+        self.eos_token_id = vocab.stop_ids[0]
+        self.bos_token_id = None
+        self.special_token_ids = sorted(i for i in range(vocab.vocab_size) if not vocab.decoded[i])
+        self.tokens = [t or f"<[{i}]>".encode() for i, t in enumerate(vocab.decoded)]
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._rust.encode(text, add_special_tokens=False).ids)
+
+
 class LLGuidanceMatcher:
     """One request's state: an llguidance matcher, plus whether a stop token ended it."""
 
@@ -270,6 +288,18 @@ class LLGuidanceMatcher:
             except Exception as e:  # noqa: BLE001 - a grammar-engine failure is its own row's
                 out.append(e)
         return out
+
+    def allows(self, token: int) -> bool:
+        """Whether the mask would allow ``token`` next, the state unchanged. Stop tokens answer
+        False (the caller masks the row: exact, and rare); RuntimeError when llguidance fails."""
+        token = int(token)
+        if self._terminated or not 0 <= token < self.vocab_size or token in self._stops or not self._decoded[token]:
+            return False
+        if self._m.validate_tokens([token]) == 1:
+            return True
+        if self._m.is_error() and not self._dead_end():
+            raise self._failure()
+        return False
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""
@@ -375,7 +405,14 @@ class LLGuidanceBackend(CachedGrammarBackend):
         # The Rust tokenizer: llguidance tokenizes forced bytes with it (masks there allow the
         # canonical tokens), without calling back into Python.
         self._tokenizer = llguidance.LLTokenizer(vocab.hf_json, n_vocab=vocab.vocab_size, eos_token=vocab.stop_ids[0])
-        _same_vocabulary(self._tokenizer, vocab)
+        try:
+            _same_vocabulary(self._tokenizer, vocab)
+        except ValueError:
+            # llguidance read the JSON's tokens otherwise (seen with a GGUF-converted tokenizer under
+            # transformers 5.17): give it our token bytes, tokenizing through the same Rust tokenizer
+            self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_VocabTokens(vocab)),
+                                                     n_vocab=vocab.vocab_size, eos_token=vocab.stop_ids[0])
+            _same_vocabulary(self._tokenizer, vocab)
         self._executor = llguidance.LLExecutor()
         self._limits = llguidance.LLParserLimits(verbose_errors=False)  # errors name no parser state
         self._json_options = _json_options(self.config)

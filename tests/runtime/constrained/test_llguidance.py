@@ -72,13 +72,15 @@ LANGUAGES = [
 ]
 
 
-def _walk(m, ids, width: int, eos: int) -> int | None:
+def _walk(m, ids, width: int, eos: int, stops: frozenset[int] = frozenset()) -> int | None:
     """Feed ``ids`` then ``eos``, checking before each token that the mask allows exactly what
-    accept takes (on the token and a probe of others); the index of the first refused token."""
-    probe = sorted(set(range(0, width, 211)) | set(ids))
+    accept takes, and what allows() says but for stop tokens (always False there: the engine then
+    masks), on the token and a probe of others; the index of the first refused token."""
+    probe = sorted(set(range(0, width, 211)) | set(ids) | stops)
     for i, t in enumerate([*ids, eos]):
         allowed = _mask(m, width)
         for p in probe:
+            assert m.allows(p) == (p in allowed and p not in stops and p != eos), (i, p)
             ok = m.accept(p)
             assert ok == (p in allowed), (i, p)
             if ok:
@@ -93,13 +95,15 @@ def _walk(m, ids, width: int, eos: int) -> int | None:
 def test_masks_allow_exactly_what_the_grammar_allows(smol_tokenizer, llg, width, kind, spec, good, bad):
     eos = smol_tokenizer.eos_token_id
     g = llg.compile(kind, spec)
+    stops = frozenset(llg.vocab.stop_ids)
     for text in good:
         m = g.new_matcher()
-        assert _walk(m, _ids(smol_tokenizer, text), width, eos) is None, text
+        assert _walk(m, _ids(smol_tokenizer, text), width, eos, stops) is None, text
         assert m.is_terminated() and m.is_completed()
+        assert not m.allows(_ids(smol_tokenizer, text)[0])  # nothing after the end
     for text in bad:
         m = g.new_matcher()
-        assert _walk(m, _ids(smol_tokenizer, text), width, eos) is not None, text
+        assert _walk(m, _ids(smol_tokenizer, text), width, eos, stops) is not None, text
         assert not m.is_terminated()
 
 
@@ -345,10 +349,13 @@ def test_a_dead_end_masks_everything_out(smol_tokenizer, llg, width, vocab):
     assert not m.is_completed() and m.forced_text() == ""
 
 
-def test_tokenizer_must_agree_with_the_engine(vocab):
+def test_the_engines_token_bytes_win_over_the_tokenizer_json(vocab, width):
+    """A vocabulary whose bytes differ from what llguidance reads in the JSON (here: one token the
+    engine never allows) builds llguidance's tokenizer from the engine's bytes."""
     hello = vocab.decoded.index(b"hello")
-    with pytest.raises(ValueError, match=f"reads token {hello} as b'hello', the engine as b''"):
-        LLGuidanceBackend(dataclasses.replace(vocab, decoded=vocab.decoded[:hello] + (b"",) + vocab.decoded[hello + 1:]))
+    backend = LLGuidanceBackend(dataclasses.replace(vocab, decoded=vocab.decoded[:hello] + (b"",) + vocab.decoded[hello + 1:]))
+    assert hello not in _mask(backend.compile("regex", "[a-z]+").new_matcher(), width)
+    assert hello in _mask(LLGuidanceBackend(vocab).compile("regex", "[a-z]+").new_matcher(), width)
     with pytest.raises(ValueError, match="needs a fast"):
         LLGuidanceBackend(dataclasses.replace(vocab, hf_json=""))
 
@@ -385,3 +392,24 @@ def test_close_objects_leaves_shared_objects_open():
     assert "additionalProperties" not in props["z"] and "additionalProperties" not in branch
     assert "additionalProperties" not in props["r"]
     assert props["s"]["additionalProperties"] is False and props["s"]["properties"]["u"] == {}
+
+
+def test_our_token_bytes_stand_in_for_the_tokenizer_json(vocab, smol_tokenizer, width):
+    """Where llguidance reads the tokenizer JSON's tokens otherwise than the engine, the backend
+    hands it our token bytes instead: they agree with the engine, tokenize like the JSON
+    tokenizer, and give the same masks."""
+    import llguidance
+
+    from radixlm.runtime.constrained.llguidance_backend import _same_vocabulary, _VocabTokens
+
+    ours = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_VocabTokens(vocab)), n_vocab=vocab.vocab_size,
+                                  eos_token=vocab.stop_ids[0])
+    _same_vocabulary(ours, vocab)
+    theirs = llguidance.LLTokenizer(vocab.hf_json, n_vocab=vocab.vocab_size, eos_token=vocab.stop_ids[0])
+    for text in ['{"name":"Zoë ¡hola!"}', "  spaced\\nlines\t", "日本語 123"]:
+        assert ours.tokenize_str(text) == theirs.tokenize_str(text) == _ids(smol_tokenizer, text)
+    schema = llguidance.LLMatcher.grammar_from_json_schema('{"type":"object","properties":{"a":{"type":"string"}}}')
+    a, b = llguidance.LLMatcher(ours, schema), llguidance.LLMatcher(theirs, schema)
+    for t in _ids(smol_tokenizer, '{"a":"x¡y"}'):
+        assert np.array_equal(a.compute_bitmask(), b.compute_bitmask())
+        assert a.consume_token(t) and b.consume_token(t)
