@@ -112,6 +112,10 @@ class ConstraintConfig:
     # schedule). None: 1 on CUDA (an extend step there costs several decode steps), no limit on the CPU.
     jump_forward_max_running: int | None = None
     json_whitespace: str = "compact"
+    # Greedy constrained rows skip the mask when the grammar allows the raw argmax (the same token;
+    # masked and drawn again only when it does not). None: on the CPU, where a mask costs more than
+    # the test; off on CUDA, where masks fill while the forward pass runs.
+    mask_on_reject: bool | None = None
     grammar_compile_workers: int = 2
     grammar_cache_size: int = 1024
     # A compile past this many seconds fails its request (400); the spec is remembered as failed.

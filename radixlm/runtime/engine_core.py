@@ -282,8 +282,8 @@ class EngineCore:
         if not samplers:
             return StepRun(scheduled, [], logits[:0, 0].long(), lambda: [])
         logits = logits[self.runner.to_device(rows)]  # a non-blocking index: masks fill while the forward runs
-        ended = tuple(self.output.fail(req, error) for req, error in self.grammar.mask(logits, samplers))
-        tokens = sample_tokens(logits, self._sampling_batch(samplers))
+        failed, tokens = self._mask_and_sample(logits, samplers)
+        ended = tuple(self.output.fail(req, error) for req, error in failed)
         want_lp = any(r.return_logprob for r in samplers)
         return StepRun(scheduled, samplers, tokens, self.runner.fetch_ids(tokens), logits if want_lp else None, ended)
 
@@ -319,10 +319,25 @@ class EngineCore:
         reqs = [ahead.reqs[i] for i in keep]
         with torch.inference_mode():  # the forward's logits are inference tensors; masks write them in place
             logits = ahead.logits if len(keep) == len(ahead.reqs) else ahead.logits[self.runner.to_device(keep)]
-            ended = tuple(self.output.fail(req, error) for req, error in self.grammar.mask(logits, reqs))
-            tokens = sample_tokens(logits, self._sampling_batch(reqs))
+            failed, tokens = self._mask_and_sample(logits, reqs)
+            ended = tuple(self.output.fail(req, error) for req, error in failed)
         step = [ahead.step[i] for i in keep]
         return StepRun(step, reqs, tokens, self.runner.fetch_ids(tokens), ended=ended, queued_ahead=True)
+
+    def _mask_and_sample(self, logits: torch.Tensor,
+                         reqs: list[EngineRequest]) -> tuple[list[tuple[EngineRequest, str]], torch.Tensor]:
+        """Mask the constrained rows and draw a token per row; the rows whose mask can wait are
+        drawn first and masked (and drawn again) only if their grammar forbids that token.
+        Returns the requests whose grammar engine failed, with the error, and the tokens."""
+        lazy = self.grammar.unmasked_rows(logits, reqs)
+        failed = self.grammar.mask(logits, reqs, skip=lazy)
+        tokens = sample_tokens(logits, self._sampling_batch(reqs))
+        redo = self.grammar.rejected(reqs, tokens.tolist(), lazy) if lazy else []
+        if redo:
+            again, sub = [reqs[i] for i in redo], logits[redo]
+            failed += self.grammar.mask(sub, again)
+            tokens[redo] = sample_tokens(sub, self._sampling_batch(again))
+        return failed, tokens
 
     def _can_look_ahead(self, run: StepRun, reqs: list[EngineRequest]) -> bool:
         """Whether the next step of these requests can be queued before their tokens reach the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +48,7 @@ class GrammarStage:
         self._next_rows: dict[str, tuple[torch.Tensor, bool]] = {}
         self.seconds = 0.0  # masks, accepts and jumps, for the per-token grammar cost
         self.tokens = 0
+        self.masks_skipped = 0  # greedy rows whose drawn token the grammar allowed without a mask
         # the masks of a step, reused: two, so a step never overwrites a copy still in flight
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
@@ -98,11 +99,12 @@ class GrammarStage:
         return done, failed
 
     # -- the step ----------------------------------------------------------------------
-    def mask(self, logits: torch.Tensor, reqs: list[EngineRequest]) -> list[tuple[EngineRequest, str]]:
-        """Give each constrained row of ``logits`` its grammar's bitmask; other rows stay as
-        they are. Returns the requests whose grammar engine failed (their rows stay unmasked:
-        the caller ends them)."""
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    def mask(self, logits: torch.Tensor, reqs: list[EngineRequest],
+             skip: Sequence[int] = ()) -> list[tuple[EngineRequest, str]]:
+        """Give each constrained row of ``logits`` (but those in ``skip``) its grammar's bitmask;
+        other rows stay as they are. Returns the requests whose grammar engine failed (their rows
+        stay unmasked: the caller ends them)."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and i not in skip]
         if not rows:
             return []
         t0 = time.perf_counter()
@@ -129,6 +131,35 @@ class GrammarStage:
             apply_bitmask_(logits, bitmask, rows)
         self.seconds += time.perf_counter() - t0
         return failed
+
+    def unmasked_rows(self, logits: torch.Tensor, reqs: list[EngineRequest]) -> list[int]:
+        """The constrained rows whose mask can wait until their token is drawn (``rejected``
+        then says which need it): greedy rows on the host, without logprobs, whose grammar engine
+        can test one token. The argmax of the raw row, when the grammar allows it, is the argmax
+        of the masked row, so the output is the same token for token; a CPU step then skips the
+        mask fill and apply, which cost far more than the test once the forward pass has swept the
+        grammar's tables out of the caches."""
+        if not (self.config.mask_on_reject if self.config.mask_on_reject is not None
+                else logits.device.type == "cpu"):
+            return []
+        return [i for i, r in enumerate(reqs)
+                if r.matcher is not None and r.params.is_greedy and not r.return_logprob
+                and hasattr(r.matcher, "allows") and r.rid not in self._next_rows]
+
+    def rejected(self, reqs: list[EngineRequest], tokens: Sequence[int], rows: Sequence[int]) -> list[int]:
+        """The rows among ``rows`` whose drawn token their grammar forbids (or whose grammar engine
+        failed on the test: masking the row again reports the failure)."""
+        t0 = time.perf_counter()
+        out = []
+        for i in rows:
+            try:
+                if not reqs[i].matcher.allows(tokens[i]):  # type: ignore[union-attr]
+                    out.append(i)
+            except Exception:  # noqa: BLE001 - the row's mask fill raises it again, for its request alone
+                out.append(i)
+        self.masks_skipped += len(rows) - len(out)
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def _bitmask(self, n: int, pinned: bool) -> torch.Tensor:
         """n rows of a reused mask buffer (the two buffers take turns)."""
@@ -194,4 +225,5 @@ class GrammarStage:
             self._service.shutdown()
 
     def stats(self) -> dict[str, Any]:
-        return {"grammar_seconds": self.seconds, "grammar_tokens": self.tokens}
+        return {"grammar_seconds": self.seconds, "grammar_tokens": self.tokens,
+                "grammar_masks_skipped": self.masks_skipped}

@@ -88,7 +88,9 @@ class GrammarConfig:
 
 
 class GrammarMatcher(Protocol):
-    """Per-request grammar state: every call the engine makes on a matcher."""
+    """Per-request grammar state: every call the engine makes on a matcher. A backend may add
+    ``allows(token) -> bool`` (whether the mask would allow ``token``, the state unchanged; False
+    is always safe): greedy rows on the CPU then test the drawn token instead of masking first."""
 
     def fill_mask(self, bitmask_row: Any) -> bool:
         """Fill ``bitmask_row`` with the tokens allowed next; False when every token is allowed."""
