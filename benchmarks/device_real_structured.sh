@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Structured output with the default model's real weights on a lent GPU (docs/benchmarks.md,
+# "Structured output on the GPU with real weights"). The GGUF (94 MiB) is over one call's 64 MiB,
+# so it travels in three parts (.gpu_assets/p1 p2 p3: `head -c`/`tail -c` of the file), each call
+# right after the last on the same warm machine: `... keep p1` (carry .whl and .gpu_assets/p1:
+# installs the wheels too), `... keep p2` (carry .gpu_assets/p2), then `... run` (carry .gpu_assets/p3).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+KEEP=/tmp/keep  # outside the tree: the next call syncs the tree again
+if [ "${1:-}" = keep ]; then
+  mkdir -p "$KEEP" && mv ".gpu_assets/$2" "$KEEP/" || exit 1
+  if [ ! -d "$KEEP/site" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$KEEP/site" .whl/*.whl || exit 1
+  fi
+  ls "$KEEP"; exit 0
+fi
+cat "$KEEP/p1" "$KEEP/p2" .gpu_assets/p3 > /tmp/smol.gguf || exit 1
+sha256sum /tmp/smol.gguf
+export PYTHONPATH=$PWD:$PWD/benchmarks:$KEEP/site PYTHONUNBUFFERED=1 RADIXLM_CACHE=/tmp/radixlm-cache
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+timeout 420 python3 benchmarks/gpu_real_structured.py --model /tmp/smol.gguf --out "$OUT/gpu_real_structured.json" 2>&1 | grep -v Warning | tail -12

@@ -1,0 +1,73 @@
+"""JSON extraction on a real model on the GPU: free text vs json_schema, with and without
+jump-forward, at batch 1 (prompts one at a time) / 16 / 64 (docs/benchmarks.md, "Structured output on the GPU with real
+weights"). Random weights force nothing past the first key, so jump-forward cannot pay off there;
+the default model's own weights (its GGUF file) write the records benchmarks/structured_output.py
+asks for, whose keys and punctuation the schema forces.
+
+    python3 benchmarks/gpu_real_structured.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from structured_output import SCHEMA, _valid, prompts
+
+from radixlm.runtime.engine import Engine
+
+OUT = 96
+
+
+def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str, Any]:
+    params: dict[str, Any] = {"temperature": 0, "max_new_tokens": OUT}
+    if mode == "free":
+        params["ignore_eos"] = True
+    else:
+        params.update(json_schema=json.dumps(SCHEMA), jump_forward=mode != "json_schema, no jump-forward")
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    outs = [engine.generate(c, params) for c in chats] if one_at_a_time else engine.generate(chats, params)
+    dt = time.perf_counter() - t0
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    passes = sum(o["meta_info"]["forward_passes"] for o in outs)
+    return {"out_tok_s": tokens / dt, "tokens_per_output": tokens / len(outs), "passes_per_output": passes / len(outs),
+            "valid": sum(_valid(o["text"]) for o in outs) if mode != "free" else None, "n": len(outs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--bs1-prompts", type=int, default=8, help="prompts run one at a time for batch 1")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    engine = Engine(args.model, device=args.device, dtype="bfloat16", max_running_requests=128)
+    engine.core.warm_up()
+    modes = ["free", "json_schema", "json_schema, no jump-forward"]
+    res: dict[str, Any] = {}
+    for bs in (int(b) for b in args.batches.split(",")):
+        chats, alone = (prompts(args.bs1_prompts), True) if bs == 1 else (prompts(bs), False)
+        for mode in modes:
+            run(engine, chats, mode, alone)  # warm: lazily built lexer states, first shapes
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        for mode in modes + modes[::-1]:  # each mode twice, in both orders; the faster run kept
+            runs[mode].append(run(engine, chats, mode, alone))
+        res[bs] = {m: max(rs, key=lambda r: r["out_tok_s"]) for m, rs in runs.items()}
+        row = {m: r["out_tok_s"] for m, r in res[bs].items()}
+        j = res[bs]["json_schema"]
+        print(f"bs{bs}: free {row['free']:.0f} / json_schema {row['json_schema']:.0f} "
+              f"({row['json_schema'] / row['free']:.2f}x, passes/out {j['passes_per_output']:.1f} for "
+              f"{j['tokens_per_output']:.1f} tokens, valid {j['valid']}/{j['n']}) / no jump-forward "
+              f"{row['json_schema, no jump-forward']:.0f} ({row['json_schema, no jump-forward'] / row['free']:.2f}x) out tok/s",
+              flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
