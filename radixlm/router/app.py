@@ -30,6 +30,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "inva
                 503: "service_unavailable_error", 504: "timeout_error"}
 # Routes whose request goes to every healthy worker; the rest go to one.
 _FAN_OUT = ("/flush_cache", "/abort_request")
+WORKER_HEADER = "X-Radixlm-Worker"  # on every passed-through response: the worker that answered
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 
 
@@ -291,7 +292,10 @@ class Router:
 
 
 def _passed(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+    """The worker's response headers, plus which worker answered."""
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+    headers[WORKER_HEADER] = str(upstream.url.origin())
+    return headers
 
 
 ROUTER_KEY = web.AppKey("router", Router)

@@ -79,6 +79,7 @@ class CacheAware:
 
     def __init__(self, num_workers: int, config: RouterConfig) -> None:
         self.trees = [CharTree(config.max_tree_chars) for _ in range(num_workers)]
+        self._turn = 0  # ties between equally idle workers for keyless requests (sessions) go in turn
         self._threshold = config.cache_threshold
         self._abs = config.balance_abs_threshold
         self._rel = config.balance_rel_threshold
@@ -102,6 +103,10 @@ class CacheAware:
             best = min(candidates, key=lambda c: (-matched[c], loads[c], c))
             if matched[best] > 0 and matched[best] >= self._threshold * len(key):
                 return Choice(best, "affinity")
+        if not key:
+            self._turn += 1
+            n = len(self.trees)
+            return Choice(min(candidates, key=lambda c: (loads[c], (c - self._turn) % n)), "least_loaded")
         return Choice(self._least_loaded(loads, candidates), "least_loaded")
 
     def _least_loaded(self, loads: Sequence[int], candidates: Collection[int]) -> int:
