@@ -1,4 +1,4 @@
-"""`radixlm route` over two real `radixlm serve` replicas on 127.0.0.1 (the default model).
+"""`radixlm serve --dp-size 2`: the router over two real replicas on 127.0.0.1 (the default model).
 
 The tests run in file order on one router: the fault tests come last (the last one kills a worker).
 """
@@ -22,7 +22,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "server"))
-from server_harness import Server, free_port, read_sse, start_server  # noqa: E402
+from server_harness import free_port, read_sse  # noqa: E402
 
 from radixlm.runtime.server.http_call import http_call  # noqa: E402
 
@@ -37,6 +37,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 6}
 class Router:
     def __init__(self, proc: subprocess.Popen[bytes], port: int, log_path: str) -> None:
         self.proc, self.port, self.log_path = proc, port, log_path
+        self.replicas: list[Replica] = []
         self.url = f"http://127.0.0.1:{port}"
 
     def call(self, method: str, path: str, body: Any = None, timeout: float = 300.0) -> tuple[int, Any]:
@@ -74,24 +75,41 @@ def poll(what: str, fn: Any, deadline_s: float = DEADLINE_S) -> Any:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[list[Server]]:
-    # fp32: greedy outputs then do not depend on batching or on what is cached
-    servers = [start_server("--dtype", "float32", "--max-total-tokens", "8192") for _ in range(2)]
-    yield servers
-    for s in servers:
-        if s.proc.poll() is None:
-            os.kill(s.proc.pid, signal.SIGCONT)  # in case a test stopped it
-        s.stop()
+class Replica:
+    """One replica behind the router, found through the router's /get_server_info."""
+
+    def __init__(self, url: str, pid: int) -> None:
+        self.url, self.pid = url, pid
+
+    def get(self, path: str) -> tuple[int, Any]:
+        return http_call(self.url + path, "GET", timeout=60)
+
+    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        status, out = http_call(self.url + "/generate", "POST", body, timeout=300)
+        assert status == 200, out
+        return out
+
+    def running(self) -> int:
+        status, info = self.get("/get_server_info")
+        assert status == 200, info
+        return int(info["stats"]["running_requests"])
+
+    def metric(self, name: str, labels: str) -> float:
+        _, text = self.get("/metrics")
+        key = f"{name}{{{labels}}} "
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
 
 
 @pytest.fixture(scope="module")
-def router(workers: list[Server]) -> Iterator[Router]:
+def router() -> Iterator[Router]:
+    """`radixlm serve --dp-size 2`: two replicas and the router, one command (fp32: greedy outputs then
+    do not depend on batching or on what is cached)."""
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="radixlm-route-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "radixlm.cli", "route", "--port", str(port), "--worker-urls",
-                             *(w.url for w in workers), "--health-interval", "0.2", "--health-timeout", "1",
-                             "--health-failures", "1"], stdout=fd, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "radixlm.cli", "serve", "--dp-size", "2", "--port", str(port),
+                             "--dtype", "float32", "--max-total-tokens", "8192", "--router-health-interval", "0.2",
+                             "--router-health-timeout", "1", "--router-health-failures", "1"],
+                            stdout=fd, stderr=subprocess.STDOUT)
     os.close(fd)
     r = Router(proc, port, log_path)
 
@@ -102,21 +120,26 @@ def router(workers: list[Server]) -> Iterator[Router]:
         except OSError:
             return False  # not listening yet
 
-    poll("both workers healthy", ready)
+    poll("both replicas healthy", ready)
+    r.replicas = [Replica(w["url"], w["server_info"]["server_pid"]) for w in r.workers()]
     yield r
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0, r.log()
+    for w in r.replicas:
+        if Path(f"/proc/{w.pid}").exists():
+            os.kill(w.pid, signal.SIGCONT)  # in case a test left it stopped
+    proc.send_signal(signal.SIGTERM)  # stops the router and every replica
+    assert proc.wait(120) == 0, r.log()
+    assert not any(Path(f"/proc/{w.pid}").exists() for w in r.replicas)
     os.unlink(log_path)
 
 
-def by_url(workers: list[Server], url: str) -> Server:
-    return next(w for w in workers if w.url == url)
+def by_url(router: Router, url: str) -> Replica:
+    return next(w for w in router.replicas if w.url == url)
 
 
-def test_generate_chat_and_streams_pass_through(router: Router, workers: list[Server]) -> None:
+def test_generate_chat_and_streams_pass_through(router: Router) -> None:
     body = {"text": "The capital of France is", "sampling_params": GREEDY}
     out, url = router.generate(body)
-    assert out["text"] == by_url(workers, url).generate(body)["text"]  # what the worker itself says
+    assert out["text"] == by_url(router, url).generate(body)["text"]  # what the worker itself says
     assert out["meta_info"]["completion_tokens"] == 6
 
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="none")
@@ -127,7 +150,7 @@ def test_generate_chat_and_streams_pass_through(router: Router, workers: list[Se
         model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, stream=True)
         if c.choices)
     assert streamed == chat.choices[0].message.content
-    assert [m.id for m in client.models.list()] == [m["id"] for m in by_url(workers, url).get("/v1/models")[1]["data"]]
+    assert [m.id for m in client.models.list()] == [m["id"] for m in by_url(router, url).get("/v1/models")[1]["data"]]
 
     async def native_stream() -> list[Any]:
         async with aiohttp.ClientSession() as s, s.post(router.url + "/generate", json={**body, "stream": True}) as r:
@@ -139,8 +162,8 @@ def test_generate_chat_and_streams_pass_through(router: Router, workers: list[Se
     assert events[-2]["text"] == out["text"]
 
 
-def test_client_disconnect_aborts_on_the_worker(router: Router, workers: list[Server]) -> None:
-    before = sum(w.metric("radixlm_requests_total", 'finish_reason="abort"') for w in workers)
+def test_client_disconnect_aborts_on_the_worker(router: Router) -> None:
+    before = sum(w.metric("radixlm_requests_total", 'finish_reason="abort"') for w in router.replicas)
 
     async def read_one_then_leave() -> str:
         async with aiohttp.ClientSession() as s:
@@ -153,10 +176,10 @@ def test_client_disconnect_aborts_on_the_worker(router: Router, workers: list[Se
             return url
 
     url = asyncio.run(read_one_then_leave())
-    worker = by_url(workers, url)
-    worker.wait_until("the request aborted", lambda i: i["stats"]["running_requests"] == 0, DEADLINE_S)
+    worker = by_url(router, url)
+    poll("the request aborted", lambda: worker.running() == 0)
     poll("the abort counted", lambda: sum(w.metric("radixlm_requests_total", 'finish_reason="abort"')
-                                          for w in workers) == before + 1)
+                                          for w in router.replicas) == before + 1)
 
 
 def test_same_prefix_same_worker(router: Router) -> None:
@@ -199,9 +222,9 @@ def test_fan_out_routes(router: Router) -> None:
     assert status == 400 and "max_new_tokens" in err["error"]["message"]  # the worker's own 400
 
 
-def test_hung_worker_fails_fast_then_rejoins(router: Router, workers: list[Server]) -> None:
+def test_hung_worker_fails_fast_then_rejoins(router: Router) -> None:
     _, home = router.generate({"text": SYS_A + "Hello", "sampling_params": GREEDY})
-    hung = by_url(workers, home)
+    hung = by_url(router, home)
     for _ in range(4):  # idle workers take new sessions in turn: one of the next few lands on `home`
         status, sid = router.call("POST", "/open_session", {})
         if router.generate({"text": "Hi", "session_params": {"id": sid}, "sampling_params": GREEDY})[1] == home:
@@ -218,10 +241,10 @@ def test_hung_worker_fails_fast_then_rejoins(router: Router, workers: list[Serve
 
     async def run() -> tuple[int, dict[str, Any], str]:
         task = asyncio.create_task(long_request())
-        while not await asyncio.to_thread(lambda: hung.server_info()["stats"]["running_requests"] > 0):
+        while not await asyncio.to_thread(lambda: hung.running() > 0):
             assert not task.done(), "the request ended before the worker was stopped"
             await asyncio.sleep(0.05)
-        os.kill(hung.proc.pid, signal.SIGSTOP)  # the worker hangs: no answer, no closed connection
+        os.kill(hung.pid, signal.SIGSTOP)  # the worker hangs: no answer, no closed connection
         return await task
 
     status, out, answered = asyncio.run(run())
@@ -233,18 +256,18 @@ def test_hung_worker_fails_fast_then_rejoins(router: Router, workers: list[Serve
         status, err = router.call("POST", "/generate", {"text": "Again", "session_params": {"id": sid}})
         assert status == 503 and err["error"]["code"] == "session_worker_down"
     finally:
-        os.kill(hung.proc.pid, signal.SIGCONT)
+        os.kill(hung.pid, signal.SIGCONT)
     poll("the worker rejoins", lambda: router.call("GET", "/health")[1].get("healthy_workers") == 2)
 
 
-def test_killed_worker_stream_error_then_failover(router: Router, workers: list[Server]) -> None:
+def test_killed_worker_stream_error_then_failover(router: Router) -> None:
     async def stream_then_kill() -> tuple[list[Any], str]:
         async with aiohttp.ClientSession() as s, s.post(router.url + "/generate", json={
                 "text": SYS_B + "Tell me a story.", "stream": True,
                 "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}) as r:
             url = r.headers[WORKER]
             first = json.loads((await r.content.readline()).removeprefix(b"data: "))
-            by_url(workers, url).proc.kill()
+            os.kill(by_url(router, url).pid, signal.SIGKILL)
             return [first, *await read_sse(r)], url
 
     events, killed = asyncio.run(stream_then_kill())
@@ -252,9 +275,11 @@ def test_killed_worker_stream_error_then_failover(router: Router, workers: list[
     assert events[-2]["error"]["type"] == "service_unavailable_error"
     out, url = router.generate({"text": SYS_B + "Tell me a story.", "sampling_params": GREEDY})
     assert url != killed and out["meta_info"]["completion_tokens"] >= 1  # the same prefix, now elsewhere
-    survivor = by_url(workers, url)
-    survivor.proc.kill()
-    survivor.proc.wait(60)
-    status, err = router.call("POST", "/generate", {"text": "x"})
-    assert status == 503 and err["error"]["code"] == "no_healthy_worker"
-    assert router.call("GET", "/health")[0] == 503
+    survivor = by_url(router, url)
+    os.kill(survivor.pid, signal.SIGSTOP)  # hung: no worker is left
+    try:
+        poll("no healthy worker", lambda: router.call("GET", "/health")[0] == 503)
+        status, err = router.call("POST", "/generate", {"text": "x"})
+        assert status == 503 and err["error"]["code"] == "no_healthy_worker"
+    finally:
+        os.kill(survivor.pid, signal.SIGCONT)
