@@ -206,31 +206,31 @@ class Router:
                 if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
                     data = await self.until_down(w, upstream.read())
                     return web.Response(body=data, status=upstream.status, headers=_passed(upstream))
+                first = await self.until_down(w, upstream.content.readany())  # nothing sent back before it
             except TimeoutError:
                 return error_response(504, f"worker {w.url} did not answer within --request-timeout "
                                       f"{self.config.request_timeout:g} s", "worker_timeout")
             except (WorkerDown, *_CONNECTION_ERRORS) as e:
                 self.take_out(w, f"{type(e).__name__}: {e}")
                 return f"{type(e).__name__}: {e}"
-            return await self._stream(request, w, upstream)
+            return await self._stream(request, w, upstream, first)
         finally:
             if upstream is not None:
                 upstream.close()  # a no-op once read; else the connection closes and the worker aborts
             w.in_flight -= 1
             self.metrics.in_flight.labels(w.url).set(w.in_flight)
 
-    async def _stream(self, request: web.Request, w: Worker, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, w: Worker, upstream: aiohttp.ClientResponse,
+                      first: bytes) -> web.StreamResponse:
         """Pass an SSE stream through chunk by chunk; a worker lost mid-stream ends it with an error event."""
         resp = web.StreamResponse(status=upstream.status, headers=_passed(upstream))
         await resp.prepare(request)
-        tail = b"\n\n"
+        tail, chunk = b"\n\n", first
         try:
-            while True:
-                chunk = await self.until_down(w, upstream.content.readany())
-                if not chunk:
-                    break
+            while chunk:
                 await resp.write(chunk)
                 tail = (tail + chunk)[-2:]
+                chunk = await self.until_down(w, upstream.content.readany())
         except (TimeoutError, WorkerDown, *_CONNECTION_ERRORS) as e:
             if isinstance(e, WorkerDown | aiohttp.ClientConnectionError | aiohttp.ClientPayloadError):
                 self.take_out(w, f"lost mid-stream: {type(e).__name__}: {e}")

@@ -120,8 +120,13 @@ def router() -> Iterator[Router]:
         except OSError:
             return False  # not listening yet
 
-    poll("both replicas healthy", ready)
-    r.replicas = [Replica(w["url"], w["server_info"]["server_pid"]) for w in r.workers()]
+    try:
+        poll("both replicas healthy", ready)
+        r.replicas = [Replica(w["url"], w["server_info"]["server_pid"]) for w in r.workers()]
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)  # the launcher stops its replicas
+        proc.wait(120)
+        raise
     yield r
     for w in r.replicas:
         if Path(f"/proc/{w.pid}").exists():
