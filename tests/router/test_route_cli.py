@@ -41,3 +41,13 @@ def test_replica_args_and_env() -> None:
     assert replica_env(1, 2, 2, {})["CUDA_VISIBLE_DEVICES"] == "1"
     assert "OMP_NUM_THREADS" in replica_env(0, 2, 0, {}) and replica_env(0, 2, 0, {"OMP_NUM_THREADS": "7"}) == \
         {"OMP_NUM_THREADS": "7"}
+
+
+def test_router_imports_neither_torch_nor_the_runtime() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, radixlm.router.app, radixlm.router.launcher, radixlm.router.runner; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('radixlm.runtime')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
