@@ -31,6 +31,11 @@ class CharTree:
         self._clock = 0
 
     @property
+    def low_water(self) -> int:
+        """What eviction leaves: a little under `max_chars`, so a full tree is not walked on every insert."""
+        return self.max_chars - self.max_chars // 16
+
+    @property
     def size(self) -> int:
         """Characters held (the sum of edge labels)."""
         return self._chars
@@ -51,7 +56,7 @@ class CharTree:
         return i
 
     def insert(self, text: str) -> None:
-        """Add `text` (as a path from the root), then evict past `max_chars`."""
+        """Add `text` (as a path from the root); past `max_chars`, evict down to `low_water`."""
         self._clock += 1
         node, i = self._root, 0
         while i < len(text):
@@ -66,7 +71,8 @@ class CharTree:
                 child = self._split(child, n)
             child.last_use = self._clock
             node, i = child, i + n
-        self.evict(self.max_chars)
+        if self._chars > self.max_chars:
+            self.evict(self.low_water)
 
     def evict(self, keep_chars: int) -> None:
         """Drop least recently used leaves until at most `keep_chars` characters remain."""

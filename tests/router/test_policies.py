@@ -45,7 +45,7 @@ def test_tree_eviction_bounds_size_and_keeps_recent(inserted: list[str], limit: 
         tree.insert(t)
         assert tree.size <= limit
         assert tree.match(t) <= len(t)
-        if len(t) <= limit:
+        if len(t) <= tree.low_water:
             assert tree.match(t) == len(t)  # the newest insert is the most recently used: never evicted
     for q in inserted:
         assert tree.match(q) <= naive_match(inserted, q)
