@@ -207,7 +207,10 @@ class Router:
                     data = await self.until_down(w, upstream.read())
                     return web.Response(body=data, status=upstream.status, headers=_passed(upstream))
                 first = await self.until_down(w, upstream.content.readany())  # nothing sent back before it
-            except TimeoutError:
+            except TimeoutError as e:
+                if isinstance(e, aiohttp.ServerTimeoutError):  # no connection within --health-timeout
+                    self.take_out(w, f"{type(e).__name__}: {e}")
+                    return f"{type(e).__name__}: {e}"
                 return error_response(504, f"worker {w.url} did not answer within --request-timeout "
                                       f"{self.config.request_timeout:g} s", "worker_timeout")
             except (WorkerDown, *_CONNECTION_ERRORS) as e:
