@@ -66,14 +66,14 @@ class Proc:
                                      env={**os.environ, **(env or {})})
         os.close(fd)
 
-    def wait(self, deadline_s: float = 600.0) -> None:
+    def wait(self, deadline_s: float = 600.0, min_workers: int = 2) -> None:
         end = time.monotonic() + deadline_s
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"exited with {self.proc.returncode}:\n{Path(self.log_path).read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200 and json.loads(resp.read()).get("healthy_workers", 2) >= 2:
+                    if resp.status == 200 and json.loads(resp.read()).get("healthy_workers", 2) >= min_workers:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
@@ -166,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     ap.add_argument("--rounds", type=int, default=1, help="runs per configuration, alternating")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overhead", action="store_true",
+                    help="also send the workload to the single replica through a router of its own")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "router.json"))
     ap.add_argument("serve_args", nargs="*", help="after --: extra `radixlm serve` flags for every replica")
     a = ap.parse_args(argv)
@@ -184,6 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             routers[policy] = Proc(["route", "--policy", policy, "--worker-urls", *(r.url for r in replicas)])
             routers[policy].wait()
         targets = {f"router:{p}": routers[p].url for p in a.policies} | {"single_replica": single.url}
+        if a.overhead:  # the single replica again, through a router of its own: what the extra hop costs
+            routers["overhead"] = Proc(["route", "--worker-urls", single.url])
+            routers["overhead"].wait(min_workers=1)
+            targets["single_replica_via_router"] = routers["overhead"].url
         for rnd in range(a.rounds):
             for name, url in targets.items():
                 for p in (*replicas, single):
