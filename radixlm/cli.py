@@ -226,10 +226,123 @@ def _serve(ns: argparse.Namespace) -> int:
     from radixlm.runtime.config import EngineConfig
     from radixlm.runtime.server.runner import serve
 
+    if ns.dp_size < 1:
+        raise ValueError(f"--dp-size must be >= 1, got {ns.dp_size}")
     settings = server_settings(ns)
     config = EngineConfig.from_kwargs(**engine_options(ns))
+    if ns.dp_size > 1:
+        return _serve_replicas(ns)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(serve(settings, config))
+
+
+ROUTER_HELP = {
+    "worker_urls": "the replicas: radixlm serve urls, e.g. http://127.0.0.1:30001 http://127.0.0.1:30002",
+    "policy": "which worker gets a request: cache_aware (prefix affinity unless imbalanced), round_robin, "
+              "shortest_queue (fewest in flight)",
+    "host": "address to listen on",
+    "port": "port to listen on (0: any free port, logged at start)",
+    "cache_threshold": "cache_aware: share of the prompt a worker must already hold to get it",
+    "balance_abs_threshold": "cache_aware: affinity is ignored when the in-flight counts differ by more than this",
+    "balance_rel_threshold": "cache_aware: ... and the largest is more than this times the smallest",
+    "max_tree_chars": "cache_aware: prompt characters remembered per worker (least recently used dropped)",
+    "health_interval": "seconds between health checks of each worker",
+    "health_timeout": "seconds a health check (and a connection to a worker) may take",
+    "health_failures": "failed health checks in a row that take a worker out (a refused connection: at once)",
+    "request_timeout": "seconds a request passed to a worker may take in all, streams included (then 504)",
+    "max_request_bytes": "largest request body accepted (larger: 413)",
+    "max_sessions": "session -> worker bindings kept (the oldest forgotten past it)",
+    "shutdown_grace": "seconds in-flight requests get to finish after SIGTERM/SIGINT",
+}
+# Flags of `radixlm serve --dp-size N` that the launcher sets for each replica itself.
+_REPLICA_OWN = ("--dp-size", "--host", "--port")
+
+
+def add_router_flags(parser: argparse.ArgumentParser, prefix: str = "", skip: Sequence[str] = ()) -> None:
+    """One flag per RouterConfig field, defaults from the dataclass, policies from the registry."""
+    from radixlm.router.config import RouterConfig
+    from radixlm.router.policies import POLICIES
+
+    group = parser.add_argument_group("RouterConfig")
+    hints = typing.get_type_hints(RouterConfig)
+    for f in dataclasses.fields(RouterConfig):
+        if f.name in skip:
+            continue
+        flag, dest = "--" + prefix + f.name.replace("_", "-"), prefix.replace("-", "_") + f.name
+        if f.name == "worker_urls":
+            group.add_argument(flag, dest=dest, nargs="+", default=(), metavar="URL", help=ROUTER_HELP[f.name])
+            continue
+        group.add_argument(flag, dest=dest, type=_scalar(hints[f.name]), default=f.default,
+                           choices=sorted(POLICIES) if f.name == "policy" else None,
+                           help=f"{ROUTER_HELP.get(f.name, '')} (default: {f.default})")
+
+
+def router_options(ns: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
+    """The RouterConfig fields given on the command line (with their flag prefix removed)."""
+    from radixlm.router.config import RouterConfig
+
+    key = prefix.replace("-", "_")
+    names = {f.name for f in dataclasses.fields(RouterConfig)}
+    return {k.removeprefix(key): v for k, v in vars(ns).items() if k.startswith(key) and k.removeprefix(key) in names}
+
+
+def _route(ns: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from radixlm.router.config import RouterConfig
+    from radixlm.router.runner import route
+
+    config = RouterConfig(**{**router_options(ns), "worker_urls": tuple(ns.worker_urls)})
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(route(config))
+
+
+def replica_args(argv: Sequence[str]) -> list[str]:
+    """`radixlm serve` arguments without the launcher's own (--dp-size, --host, --port, --router-*)."""
+    out, skip_value = [], False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _REPLICA_OWN or name.startswith("--router-"):
+            skip_value = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def _serve_replicas(ns: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    import torch
+
+    from radixlm.router.launcher import serve_replicas
+
+    argv = list(ns.argv)
+    args = replica_args(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    options = {**router_options(ns, "router-"), "host": ns.host, "port": ns.port,
+               "shutdown_grace": ns.shutdown_grace}
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(serve_replicas(args, ns.dp_size, gpus, options))
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad flags: one line saying what to change (no usage block), exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_route_parser(parser_class: type[argparse.ArgumentParser] = _OneLineParser) -> argparse.ArgumentParser:
+    route = parser_class(prog="radixlm route", description="route requests over radixlm serve replicas "
+                         "(cache-aware by default; docs/router.md)")
+    add_router_flags(route)
+    route.set_defaults(func=_route)
+    return route
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,13 +358,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="serve the model over HTTP (SGLang native and OpenAI-compatible APIs)")
     add_server_flags(srv)
+    srv.add_argument("--dp-size", type=int, default=1,
+                     help="data parallel: this many replicas on free local ports (one per GPU where there are "
+                          "GPUs) behind a router on --host/--port (--router-* flags; docs/router.md)")
+    add_router_flags(srv, "router-", skip=("worker_urls", "host", "port", "shutdown_grace"))
     add_engine_flags(srv)
     srv.set_defaults(func=_serve)
+    sub.add_parser("route", help="route requests over radixlm serve replicas (docs/router.md)", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["route"]:
+        ns = build_route_parser().parse_args(args[1:])
+    else:
+        ns = build_parser().parse_args(args)
+    ns.argv = args
     try:
         return int(ns.func(ns))
     except ValueError as e:
