@@ -57,6 +57,7 @@ class OpenAI(Backend):
 class _OpenAIConnection(Connection):
     def __init__(self, backend: OpenAI, session: aiohttp.ClientSession) -> None:
         self.be, self.session = backend, session
+        self.native_tools = backend.chat  # chat mode: a gen's tools go as `tools`, tool_choice required
 
     async def _post(self, route: str, body: dict[str, Any]) -> Any:
         async with self.session.post(self.be.base_url + route, json=body) as resp:
@@ -78,6 +79,8 @@ class _OpenAIConnection(Connection):
             body["logprobs"] = True if self.be.chat else max(req.top_logprobs_num, 1)
             if self.be.chat and req.top_logprobs_num:
                 body["top_logprobs"] = req.top_logprobs_num
+        if req.tools is not None:
+            body.update(tools=req.tools, tool_choice="required", parallel_tool_calls=False)
         if not self.be.chat:
             return "completions", {**body, "prompt": req.text}
         if req.open_role is None or req.open_role[0] != "assistant" or req.open_role[1]:
@@ -88,7 +91,10 @@ class _OpenAIConnection(Connection):
     async def generate(self, req: GenRequest) -> list[GenOutput]:
         route, body = self._body(req)
         out = await self._post(route, body)
-        texts = [c["message"]["content"] if self.be.chat else c["text"] for c in out["choices"]]
+        if req.tools is not None:
+            texts = [_call_value(c) for c in out["choices"]]
+        else:
+            texts = [c["message"]["content"] if self.be.chat else c["text"] for c in out["choices"]]
         return [GenOutput(t or "", {"finish_reason": c.get("finish_reason"), "usage": out.get("usage"),
                                     "logprobs": c.get("logprobs")})
                 for t, c in zip(texts, out["choices"])]
@@ -130,3 +136,17 @@ class _OpenAIConnection(Connection):
                 raise ValueError("select needs prompt logprobs, and this server returned none for echo")
             rows[choice["index"]] = list(zip(lp["token_logprobs"], lp["tokens"]))[start:]
         return rows
+
+
+def _call_value(choice: dict[str, Any]) -> str:
+    """The one call of a choice as the one-call VALUE the executor reads (radixlm.runtime.tool_calls)."""
+    calls = (choice.get("message") or {}).get("tool_calls") or []
+    if len(calls) != 1:
+        raise ValueError(f"the server answered tool_choice 'required' with {len(calls)} tool calls "
+                         f"(finish_reason {choice.get('finish_reason')!r}); expected exactly one")
+    fn = calls[0]["function"]
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        raise ValueError(f"the server's tool call has arguments that are not JSON: {fn['arguments'][:200]!r}") from None
+    return json.dumps([{"name": fn["name"], "arguments": arguments}], ensure_ascii=False, separators=(",", ":"))
