@@ -605,9 +605,11 @@ def _response_format(body: Mapping[str, Any], d: dict[str, Any]) -> None:
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
                            param="response_format")
         d["json_schema"] = json.dumps(schema)
+    elif kind == "structural_tag":  # SGLang's: the whole object is the tag (the grammar engine checks it)
+        d["structural_tag"] = json.dumps(rf)
     else:
-        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                       param="response_format")
+        raise ApiError(400, f"response_format.type must be text, json_object, json_schema or structural_tag, "
+                            f"got {kind!r}", param="response_format")
 
 
 
