@@ -174,16 +174,6 @@ class GrammarBackend(Protocol):
         """The (cached) grammar for ``(kind, spec)``; ValueError naming what is wrong."""
         ...
 
-    def _enforceable_tag(self, text: str) -> str:
-        """A structural tag whose structures' schemas went through ``check_schema``."""
-        data = json.loads(text)
-        for i, s in enumerate(data["structures"]):
-            try:
-                s["schema"] = self.check_schema(s["schema"])
-            except UnsupportedSchema as e:
-                raise ValueError(f"cannot compile structural_tag: structures[{i}].schema: {e}") from None
-        return _json_dumps(data)
-
     def remember_failure(self, kind: str, spec: Any, message: str) -> None:
         """Cache ``message`` as the outcome of compiling ``(kind, spec)``."""
         ...
