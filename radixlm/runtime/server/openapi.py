@@ -83,8 +83,8 @@ def _sampling_params() -> Schema:
         props[name] = {"enum": list(empty), "description": f"SGLang's; accepted only as {empty[-1]!r} or null: {why}"}
     return _obj(props, closed=True, description=(
         "Unknown keys are a 400. At most one of regex, json_schema, ebnf, choices, structural_tag "
-        "(structural_tag is not supported yet: a 400). A constraint the grammar engine cannot compile is a "
-        "400 naming it."))
+        "(SGLang's, as JSON text; not with the outlines backend). A constraint the grammar engine cannot "
+        "compile is a 400 naming it."))
 
 
 def sampling_schema(p: Param, default: Any = None, openai: bool = False) -> Schema:
