@@ -175,12 +175,16 @@ def test_fork_branches_gather_calls(engine_backend, endpoint):
 
 
 @pytest.mark.slow
-def test_openai_backend_calls_through_tools(server):
+def test_openai_backend_calls_through_tools(server, engine_backend):
     be = OpenAI("smollm2", base_url=server.url + "/v1", api_key=API_KEY)
     for q in ("What is the weather in Paris?", "Book me 3 nights in Rome, Italy."):
         st = ask.run(q, backend=be, **GREEDY)
         check_call(st["call"], st.text())
         assert st.messages()[-1]["content"].startswith("<tool_call>[{\"name\":")
+    # completion mode: the call is generated under the schema (the json_schema extension field)
+    text_mode = OpenAI("smollm2", base_url=server.url + "/v1", api_key=API_KEY, chat=False)
+    st = ask.run("What is the weather in Paris?", backend=text_mode, **GREEDY)
+    check_call(st["call"], st.text())
 
 
 @pytest.mark.slow

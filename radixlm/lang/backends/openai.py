@@ -4,8 +4,10 @@ Chat mode (default) sends the state's finished messages to /v1/chat/completions,
 open an assistant message (``s += assistant(gen(...))``). Completion mode (``chat=False``) sends
 the state's text to /v1/completions. select() scores choices with prompt logprobs
 (/v1/completions with ``echo`` and ``logprobs``, ``max_tokens: 0``); a server without them gets
-a clear error. json_schema goes through ``response_format``; regex and ebnf, and sampling
-values OpenAI lacks (top_k, min_p, ...), are sent as the extension fields SGLang and vLLM read.
+a clear error. json_schema goes through ``response_format`` (chat) or the ``json_schema``
+extension field (completions); regex and ebnf, and sampling values OpenAI lacks (top_k, min_p,
+...), are sent as the extension fields SGLang and vLLM read. A gen with tools goes as ``tools``
+with ``tool_choice: "required"`` (chat).
 """
 
 from __future__ import annotations
@@ -70,9 +72,11 @@ class _OpenAIConnection(Connection):
         sampling = dict(req.sampling)
         body: dict[str, Any] = {"model": self.be.model}
         schema = sampling.pop("json_schema", None)
-        if schema is not None:
+        if schema is not None and self.be.chat:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": json.loads(schema)}}
+        elif schema is not None:  # completions have no response_format: the extension field SGLang and vLLM read
+            body["json_schema"] = schema
         for key, value in sampling.items():
             body[_OPENAI_NAMES.get(key, key)] = value
         if req.return_logprob:
