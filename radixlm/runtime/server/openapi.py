@@ -108,7 +108,8 @@ def sampling_schema(p: Param, default: Any = None, openai: bool = False) -> Sche
         one = {"type": "string", "minLength": 1}
         s = {"anyOf": [one, {"type": "array", "items": one, "maxItems": MAX_STOP_REGEXES}]}
     elif p.kind == "logit_bias":
-        bias = {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE, "maximum": MAX_LOGIT_BIAS_VALUE}
+        most = p.openai_hi if openai and p.openai_hi is not None else MAX_LOGIT_BIAS_VALUE
+        bias = {"type": "number", "minimum": -most, "maximum": most}
         s = {"type": "object", "patternProperties": {"^[0-9]+$": bias}, "additionalProperties": False,
              "maxProperties": MAX_LOGIT_BIAS}
     elif p.kind == "token_ids":

@@ -233,6 +233,16 @@ def test_logit_bias_forces_or_bans_a_token(server: Server, smol_tokenizer):
     assert banned["output_ids"][0] != first
 
 
+def test_logit_bias_on_the_openai_routes(server: Server, smol_tokenizer):
+    target = smol_tokenizer.encode(" banana", add_special_tokens=False)[0]
+    status, out = server.post("/v1/completions", {"model": "m", "prompt": "Hello", "max_tokens": 3,
+                                                   "logit_bias": {str(target): 100}})
+    assert status == 200 and out["choices"][0]["text"] == " banana" * 3, out
+    status, out = server.post("/v1/chat/completions", {"model": "m", "max_tokens": 3, "logit_bias": {str(target): 100},
+                                                        "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and out["choices"][0]["message"]["content"] == " banana" * 3, out
+
+
 def test_sampling_seed_is_seed(server: Server):
     params = {"temperature": 1.0, "max_new_tokens": 12}
     assert _gen(server, {**params, "sampling_seed": 11})["output_ids"] == _gen(server, {**params, "seed": 11})[
