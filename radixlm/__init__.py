@@ -6,6 +6,7 @@ from typing import Any
 # runtime's processes never pay for the DSL, and `import radixlm` never pulls in torch.
 __all__ = [
     "Engine",
+    "FunctionCall",
     "Graph",
     "GraphError",
     "OpenAI",
@@ -17,6 +18,7 @@ __all__ = [
     "assistant",
     "assistant_begin",
     "assistant_end",
+    "describe_tools",
     "function",
     "gen",
     "gen_int",

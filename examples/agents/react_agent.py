@@ -1,12 +1,15 @@
-"""A ReAct agent: the model picks a tool (select), writes its input (gen), Python runs the tool,
-and the observation goes back into the conversation until the model picks `finish`.
+"""A ReAct agent with tools: each step the model makes one call of a Python function
+(`gen(tools=[...])`, generated under the tools' schemas, so it always parses and validates),
+Python runs it, and the result goes back into the conversation until the model calls `finish`.
 
     python examples/agents/react_agent.py "What is 17 * 23?"
 
-Tools: a calculator (arithmetic only, evaluated through `ast`, never `eval`) and a small local
-lookup table. The loop reads generated values to decide what to do next, so the interpreter runs
-it step by step (no static graph). The first step must use a tool (`finish` is offered from the
-second step on): the small default model otherwise answers at once, without one.
+Tools: a calculator (arithmetic only, evaluated through `ast`, never `eval`), a small local
+lookup table, and `finish`. The loop reads each call to decide what to do next, so the
+interpreter runs it step by step (no static graph). The first step must use a real tool
+(`finish` is offered from the second step on): the small default model otherwise answers at
+once, without one. String arguments are bounded by patterns (the grammar enforces them), so
+every call is well-formed input for its tool and completes within the gen's token budget.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import ast
 import operator
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 import radixlm as rl
 
@@ -30,8 +35,8 @@ _OPS: dict[type, Callable[..., Any]] = {
 }
 
 
-def calculator(expression: str) -> str:
-    """Evaluate + - * / ** and parentheses over numbers; anything else is an error message."""
+def calculator(expression: Annotated[str, Field(pattern=r"^[0-9+*/(). -]{1,40}$")]) -> str:
+    """Evaluate an arithmetic expression (+ - * / ** and parentheses over numbers)."""
     def ev(node: ast.AST) -> float:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
@@ -48,19 +53,19 @@ def calculator(expression: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
-def lookup(key: str) -> str:
-    """A fact from the local table, or 'unknown'."""
+def lookup(key: Annotated[str, Field(pattern=r"^[a-z ]{1,40}$")]) -> str:
+    """Look up a fact by name, such as 'capital of france'; 'unknown' when it is not known."""
     return TABLE.get(key.strip().lower().rstrip("?."), "unknown")
 
 
-TOOLS: dict[str, Callable[[str], str]] = {"calculator": calculator, "lookup": lookup}
-SYSTEM = (
-    "You solve questions with tools. Each turn, pick an action and its input.\n"
-    "Actions: calculator (input: an arithmetic expression), lookup (input: a fact name such as "
-    "'capital of france'), finish (input: the final answer).\n"
-    "Example: question 'What is 2 + 3?' -> Action: calculator, Input: 2 + 3; after the "
-    "observation 5 -> Action: finish, Input: 5."
-)
+def finish(answer: Annotated[str, Field(pattern=r"^[^\"\\<>{}]{1,60}$")]) -> str:
+    """Give the final answer to the question."""
+    return answer
+
+
+TOOLS = [calculator, lookup, finish]
+SYSTEM = ("You solve questions with tools: call one tool per turn, read its result, and call finish "
+          "with the final answer.\n\n" + rl.describe_tools(TOOLS))
 
 
 @rl.function
@@ -69,13 +74,12 @@ def react(s, question: str, max_steps: int = 3):
     s += rl.user("Question: " + question)
     for step in range(max_steps):
         # the first step must consult a tool: the small default model would otherwise answer at once
-        actions = list(TOOLS) if step == 0 else [*TOOLS, "finish"]
-        with s.assistant():
-            s += "Action: " + rl.select("action", actions)
-            s += "\nInput: " + rl.gen("input", max_tokens=16, stop="\n")
-        if s["action"] == "finish":
+        tools = TOOLS[:2] if step == 0 else TOOLS
+        s += rl.assistant(rl.gen("call", tools=tools, max_tokens=64))
+        call = s["call"]  # a FunctionCall: name, validated arguments, call() runs the function
+        if call.name == "finish":
             break
-        s += rl.user("Observation: " + TOOLS[s["action"]](s["input"]))
+        s += rl.user(f"<tool_response>\n{call()}\n</tool_response>")
 
 
 def main(question: str = "What is 17 * 23?", backend: Any = None) -> rl.ProgramState:

@@ -24,13 +24,14 @@ from radixlm.lang.frontend.expr import (
     video,
 )
 from radixlm.lang.frontend.function import SglFunction, arun_graph, function, run_graph
+from radixlm.lang.frontend.tools import FunctionCall, describe_tools
 from radixlm.lang.interpreter.ir import Graph, GraphError
 from radixlm.lang.interpreter.runner import ProgramState, TraceError
 from radixlm.lang.sessions import Session, session
 
 __all__ = [
-    "DslContext", "Graph", "GraphError", "ProgramState", "Session", "SglFunction", "TraceError", "arun_graph",
-    "assistant", "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string",
+    "DslContext", "FunctionCall", "Graph", "GraphError", "ProgramState", "Session", "SglFunction", "TraceError", "arun_graph",
+    "assistant", "assistant_begin", "assistant_end", "describe_tools", "function", "gen", "gen_int", "gen_string",
     "greedy_token_selection", "image", "run_graph", "select", "session", "set_default_backend", "system",
     "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized",
     "user", "user_begin", "user_end", "video",

@@ -24,6 +24,7 @@ from radixlm.runtime.stop import MAX_STOP_REGEXES, compile_stop_regex
 MAX_STOP_STRINGS = 32
 MAX_LOGIT_BIAS = 4096  # tokens one request may bias
 MAX_LOGIT_BIAS_VALUE = 1e9  # |bias|: finite in fp32 next to any logit, and -inf (masked) + bias stays -inf
+OPENAI_MAX_LOGIT_BIAS = 100.0  # |bias| the OpenAI routes take (OpenAI's own range)
 # Temperatures below this decode greedily: dividing logits by a tinier value risks overflow,
 # and the distribution is a point mass in fp32 anyway (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -153,7 +154,7 @@ class SamplingParams:
                                 openai=None)
     logit_bias: tuple[tuple[int, float], ...] = _param(
         (), f"{{token id: bias}}: each bias (|bias| <= {MAX_LOGIT_BIAS_VALUE:g}) is added to its token's logit before "
-            f"sampling (at most {MAX_LOGIT_BIAS} tokens)", "logit_bias", openai=None)
+            f"sampling (at most {MAX_LOGIT_BIAS} tokens)", "logit_bias", openai_hi=OPENAI_MAX_LOGIT_BIAS)
     stream_interval: int = _param(1, "a stream sends a chunk every this many output tokens (and at the end)", "int",
                                   lo=1, openai=None)
 

@@ -472,3 +472,24 @@ class CallScanner:
         elif self._key == "name":
             self.calls[-1].name = text
             updates.append((len(self.calls) - 1, text, "", False))
+
+
+# -- one call (the DSL's gen(tools=...)) ----------------------------------------------------------------
+def one_call_schema(tools: Sequence[Tool], fmt: ToolFormat = GENERIC) -> dict[str, Any]:
+    """The schema of VALUE holding exactly one call of one of ``tools``."""
+    return calls_schema(tools, ToolChoice("required"), fmt, parallel=False)
+
+
+def read_one_call(value: str, fmt: ToolFormat = GENERIC) -> dict[str, Any]:
+    """``{"name", "arguments"}`` of the one call in VALUE; ValueError when VALUE is not one
+    complete call (a generation cut by its token limit)."""
+    try:
+        data = json.loads(value)
+    except ValueError:
+        raise ValueError(f"the tool call was cut before it was complete ({value[-80:]!r}); "
+                         "raise max_tokens (max_new_tokens) of the gen") from None
+    call = data[0] if fmt.array and isinstance(data, list) and len(data) == 1 else data
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+            not isinstance(call.get(fmt.args_key), dict):
+        raise ValueError(f"expected one tool call {{name, {fmt.args_key}}}, got {value[:200]!r}")
+    return {"name": call["name"], "arguments": call[fmt.args_key]}

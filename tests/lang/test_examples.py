@@ -20,21 +20,29 @@ def load(name: str):
 
 
 def test_react_agent_runs_tools_and_feeds_observations_back(engine_backend):
+    import json
+
+    from radixlm.lang.frontend.tools import declare
+
     agent = load("react_agent")
     assert agent.calculator("17 * 23") == "391" and agent.calculator("__import__('os')").startswith("error")
     assert agent.lookup("Capital of France?") == "Paris"
     state = agent.main("What is 17 * 23?", backend=engine_backend)
     messages = state.messages()
-    turns = [m for m in messages if m["role"] == "assistant"]
-    assert 1 <= len(turns) <= 3 and all(t["content"].startswith("Action: ") for t in turns)
-    observations = [m["content"] for m in messages if m["content"].startswith("Observation: ")]
+    turns = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert 1 <= len(turns) <= 3
+    _, bind = declare(agent.TOOLS)
+    calls = []
+    for turn in turns:  # each turn is exactly one call, in the generic format, valid for its tool
+        assert turn.startswith("<tool_call>[") and turn.endswith("]</tool_call>")
+        (call,) = json.loads(turn[len("<tool_call>"):-len("</tool_call>")])
+        calls.append(bind(call))
+    assert calls[0].name != "finish"  # the first step always consults a tool
+    tool_calls = [c for c in calls if c.name != "finish"]
+    results = [m["content"] for m in messages if m["content"].startswith("<tool_response>")]
     # every tool step but a final finish got exactly the tool's own output back
-    tool_turns = [t for t in turns if not t["content"].startswith("Action: finish")]
-    assert tool_turns and turns[0] in tool_turns  # the first step always consults a tool
-    assert len(observations) == len(tool_turns)
-    for turn, obs in zip(tool_turns, observations):
-        action, _, arg = turn["content"][len("Action: "):].partition("\nInput: ")
-        assert obs == "Observation: " + agent.TOOLS[action](arg)
+    assert results == [f"<tool_response>\n{c()}\n</tool_response>" for c in tool_calls]
+    assert all(c.name != "finish" for c in calls[:-1])
 
 
 def test_tree_of_thought_forks_three_levels(engine_backend):

@@ -4,8 +4,10 @@ Chat mode (default) sends the state's finished messages to /v1/chat/completions,
 open an assistant message (``s += assistant(gen(...))``). Completion mode (``chat=False``) sends
 the state's text to /v1/completions. select() scores choices with prompt logprobs
 (/v1/completions with ``echo`` and ``logprobs``, ``max_tokens: 0``); a server without them gets
-a clear error. json_schema goes through ``response_format``; regex and ebnf, and sampling
-values OpenAI lacks (top_k, min_p, ...), are sent as the extension fields SGLang and vLLM read.
+a clear error. json_schema goes through ``response_format`` (chat) or the ``json_schema``
+extension field (completions); regex and ebnf, and sampling values OpenAI lacks (top_k, min_p,
+...), are sent as the extension fields SGLang and vLLM read. A gen with tools goes as ``tools``
+with ``tool_choice: "required"`` (chat).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class OpenAI(Backend):
 class _OpenAIConnection(Connection):
     def __init__(self, backend: OpenAI, session: aiohttp.ClientSession) -> None:
         self.be, self.session = backend, session
+        self.native_tools = backend.chat  # chat mode: a gen's tools go as `tools`, tool_choice required
 
     async def _post(self, route: str, body: dict[str, Any]) -> Any:
         async with self.session.post(self.be.base_url + route, json=body) as resp:
@@ -69,15 +72,19 @@ class _OpenAIConnection(Connection):
         sampling = dict(req.sampling)
         body: dict[str, Any] = {"model": self.be.model}
         schema = sampling.pop("json_schema", None)
-        if schema is not None:
+        if schema is not None and self.be.chat:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": json.loads(schema)}}
+        elif schema is not None:  # completions have no response_format: the extension field SGLang and vLLM read
+            body["json_schema"] = schema
         for key, value in sampling.items():
             body[_OPENAI_NAMES.get(key, key)] = value
         if req.return_logprob:
             body["logprobs"] = True if self.be.chat else max(req.top_logprobs_num, 1)
             if self.be.chat and req.top_logprobs_num:
                 body["top_logprobs"] = req.top_logprobs_num
+        if req.tools is not None:
+            body.update(tools=req.tools, tool_choice="required", parallel_tool_calls=False)
         if not self.be.chat:
             return "completions", {**body, "prompt": req.text}
         if req.open_role is None or req.open_role[0] != "assistant" or req.open_role[1]:
@@ -88,7 +95,10 @@ class _OpenAIConnection(Connection):
     async def generate(self, req: GenRequest) -> list[GenOutput]:
         route, body = self._body(req)
         out = await self._post(route, body)
-        texts = [c["message"]["content"] if self.be.chat else c["text"] for c in out["choices"]]
+        if req.tools is not None:
+            texts = [_call_value(c) for c in out["choices"]]
+        else:
+            texts = [c["message"]["content"] if self.be.chat else c["text"] for c in out["choices"]]
         return [GenOutput(t or "", {"finish_reason": c.get("finish_reason"), "usage": out.get("usage"),
                                     "logprobs": c.get("logprobs")})
                 for t, c in zip(texts, out["choices"])]
@@ -130,3 +140,17 @@ class _OpenAIConnection(Connection):
                 raise ValueError("select needs prompt logprobs, and this server returned none for echo")
             rows[choice["index"]] = list(zip(lp["token_logprobs"], lp["tokens"]))[start:]
         return rows
+
+
+def _call_value(choice: dict[str, Any]) -> str:
+    """The one call of a choice as the one-call VALUE the executor reads (radixlm.runtime.tool_calls)."""
+    calls = (choice.get("message") or {}).get("tool_calls") or []
+    if len(calls) != 1:
+        raise ValueError(f"the server answered tool_choice 'required' with {len(calls)} tool calls "
+                         f"(finish_reason {choice.get('finish_reason')!r}); expected exactly one")
+    fn = calls[0]["function"]
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        raise ValueError(f"the server's tool call has arguments that are not JSON: {fn['arguments'][:200]!r}") from None
+    return json.dumps([{"name": fn["name"], "arguments": arguments}], ensure_ascii=False, separators=(",", ":"))

@@ -7,7 +7,7 @@ import json
 import os
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -26,7 +26,7 @@ from radixlm.lang.backends.base import (
 from radixlm.runtime.chat_template import FALLBACK, ChatTemplate, from_tokenizer
 from radixlm.runtime.programs.connection import prefill_body, score_body, score_rows
 from radixlm.runtime.programs.executor import RunContext
-from radixlm.runtime.programs.ir import Graph
+from radixlm.runtime.programs.ir import ForkNode, GenNode, Graph
 from radixlm.runtime.programs.state import StateCore
 
 ProgramMode = Literal["auto", "server", "client"]
@@ -150,7 +150,7 @@ class _EndpointConnection(GraphConnection):
             if resp.status != 200:
                 raise _program_failure(resp.status, await resp.text())
             if not ctx.stream:
-                _fill(core, await resp.json())
+                _fill(core, await resp.json(), graph)
                 return True
             async for raw in resp.content:
                 line = raw.strip()
@@ -160,7 +160,7 @@ class _EndpointConnection(GraphConnection):
                 if "error" in event:
                     raise _program_failure(500, json.dumps(event))
                 if event.get("done"):
-                    _fill(core, event)
+                    _fill(core, event, graph)
                 elif event["state"] == "root":  # the root state's text events, as the executor appends them
                     core.append(event["text"], event["var"])
         return True
@@ -204,14 +204,29 @@ class _EndpointConnection(GraphConnection):
         return score_rows([o["meta_info"] for o in outs])
 
 
-def _fill(core: StateCore, result: dict[str, Any]) -> None:
-    """A state as /run_program's result left it (its text as one event when none was streamed)."""
+def _fill(core: StateCore, result: dict[str, Any], graph: Graph) -> None:
+    """A state as /run_program's result left it (its text as one event when none was streamed);
+    tool calls, which come back as data, bound to the program's functions again."""
     if not core.events:
         core.append(result["text"])
     core.text = result["text"]
-    core.variables.update(result["variables"])
+    variables = dict(result["variables"])
+    for node in _tool_gens(graph.nodes):
+        if node.name in variables:
+            variables[node.name] = node.bind(variables[node.name])
+    core.variables.update(variables)
     core.meta.update(result["meta"])
     core.messages[:] = result["messages"]
+
+
+def _tool_gens(nodes: Sequence[Any]) -> Iterator[GenNode]:
+    """The graph's gens with tools, fork branches' included."""
+    for node in nodes:
+        if isinstance(node, GenNode) and node.tools is not None and node.name is not None:
+            yield node
+        elif isinstance(node, ForkNode):
+            for branch in node.branches:
+                yield from _tool_gens(branch)
 
 
 def _program_failure(status: int, body: str) -> BackendError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from radixlm.lang.frontend.choices import (
@@ -18,6 +18,7 @@ from radixlm.lang.frontend.choices import (
     token_length_normalized,
 )
 from radixlm.lang.frontend.sampling import DSL_NAMES, DTYPE_REGEX, SamplingArgs
+from radixlm.lang.frontend.tools import declare
 from radixlm.lang.interpreter.ir import (
     Constraint,
     GenNode,
@@ -77,6 +78,7 @@ def gen(
     dtype: DType = None,
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
+    tools: Sequence[Callable[..., Any]] | None = None,
     **sampling: Any,
 ) -> Expr:
     """Generate text into variable ``name`` (SGLang's gen).
@@ -86,15 +88,24 @@ def gen(
     radixlm.runtime.sampling_params.SamplingParams; None inherits the run's value).
     ``json_schema`` takes a dict, a JSON string or a Pydantic model class. ``dtype`` (int,
     float, bool, str) constrains the output with a regex and stores the converted value.
-    ``choices`` makes this a select().
+    ``choices`` makes this a select(). ``tools`` (typed Python functions) makes the generation
+    exactly one call of one of them; the variable holds a FunctionCall (docs/dsl.md, "Tools").
     """
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
     sampling = _gen_sampling(sampling, max_tokens, min_tokens)
     dtype_name = _dtype_name(dtype)
     constraint = _constraint(regex, json_schema, ebnf, dtype_name)
-    return Expr([GenNode(name=name, sampling=SamplingArgs(**sampling), constraint=constraint, dtype=dtype_name,
-                         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)])
+    if tools is None:
+        return Expr([GenNode(name=name, sampling=SamplingArgs(**sampling), constraint=constraint, dtype=dtype_name,
+                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)])
+    if constraint is not None or return_logprob or top_logprobs_num:
+        raise ValueError("gen(tools=...) takes no regex, json_schema, ebnf, dtype or logprobs: "
+                         "the tools' parameter schemas are its constraint")
+    if sampling.get("n", 1) != 1:
+        raise ValueError("gen(tools=...) makes one call; n must be 1")
+    specs, binder = declare(tools)
+    return Expr([GenNode(name=name, sampling=SamplingArgs(**sampling), tools=specs).with_binder(binder)])
 
 
 def _gen_sampling(sampling: dict[str, Any], max_tokens: int | None, min_tokens: int | None) -> dict[str, Any]:

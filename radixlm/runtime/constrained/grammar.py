@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from radixlm.runtime.constrained import structural_tag
 from radixlm.runtime.constrained.limits import SpecLimits, check_spec, grammar_bounds
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema, prepare_json_schema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
@@ -42,7 +43,7 @@ __all__ = [
     "normalize_spec",
 ]
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choices")
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choices", "structural_tag")
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -250,6 +251,9 @@ def normalize_spec(kind: str, spec: Any) -> tuple[Hashable, Any]:
             raise ValueError(f"json_schema is not JSON-serializable: {e}") from None
         except RecursionError:
             raise ValueError(_TOO_DEEP) from None
+        return (kind, text), text
+    if kind == "structural_tag":
+        text = structural_tag.normalize(spec)
         return (kind, text), text
     if kind in ("regex", "ebnf"):
         if not isinstance(spec, str):
@@ -523,6 +527,8 @@ class CachedGrammarBackend:
         try:
             if kind == "json_schema":
                 norm = self._enforceable_schema(norm)
+            elif kind == "structural_tag":
+                norm = self._enforceable_tag(norm)
             result: Grammar | CompileFailure = self._compile_uncached(kind, norm)
         except ValueError as e:
             result = CompileFailure(str(e))
@@ -552,6 +558,16 @@ class CachedGrammarBackend:
         except UnsupportedSchema as e:
             raise ValueError(f"cannot compile json_schema: {e}") from None
         return text if checked is schema else _json_dumps(checked)
+
+    def _enforceable_tag(self, text: str) -> str:
+        """A structural tag whose structures' schemas went through ``check_schema``."""
+        data = json.loads(text)
+        for i, s in enumerate(data["structures"]):
+            try:
+                s["schema"] = self.check_schema(s["schema"])
+            except UnsupportedSchema as e:
+                raise ValueError(f"cannot compile structural_tag: structures[{i}].schema: {e}") from None
+        return _json_dumps(data)
 
     def remember_failure(self, kind: str, spec: Any, message: str) -> None:
         """Cache ``message`` as the outcome of compiling ``(kind, spec)`` (a compile that ran
@@ -621,6 +637,16 @@ class XGrammarBackend(CachedGrammarBackend):
                 return c.compile_regex(norm)
             if kind == "ebnf":
                 return c.compile_grammar(norm)
+            if kind == "structural_tag":
+                return c.compile_structural_tag(_xgrammar_tag(norm))
             return c.compile_grammar(choices_to_ebnf(norm))
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"cannot compile {kind}: {_clean_engine_error(e)}") from None
+
+
+def _xgrammar_tag(norm: str) -> dict[str, Any]:
+    """A normalized structural tag in xgrammar's own (triggered_tags) form."""
+    structures, triggers = structural_tag.load(norm)
+    tags = [{"type": "tag", "begin": s.begin, "content": {"type": "json_schema", "json_schema": s.schema},
+             "end": s.end} for s in structures]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}

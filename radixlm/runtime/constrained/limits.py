@@ -67,6 +67,9 @@ def check_spec(kind: str, norm: Any, limits: SpecLimits) -> None:
                              f"U+{ord(bad.group()):04X} (a \\u escape of half a UTF-16 pair?)")
     if kind == "json_schema":
         _check_schema(json.loads(norm), limits)
+    elif kind == "structural_tag":
+        for s in json.loads(norm)["structures"]:
+            _check_schema(s["schema"], limits)
     elif kind in ("regex", "ebnf"):
         depth = _group_depth(norm, quotes=kind == "ebnf")
         if depth > limits.max_nesting:

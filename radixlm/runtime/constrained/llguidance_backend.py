@@ -35,6 +35,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from radixlm.runtime.constrained import structural_tag
 from radixlm.runtime.constrained.grammar import CachedGrammarBackend, GrammarConfig, bitmask_width, mask_pointer
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
@@ -436,6 +437,8 @@ class LLGuidanceBackend(CachedGrammarBackend):
             return f"{_HEADER}start: /{self._llg.regex_to_lark(norm, '')}/"
         if kind == "choices":
             return _HEADER + choices_to_lark(norm)
+        if kind == "structural_tag":
+            return self._structural_tag_lark(norm)
         from llguidance.gbnf_to_lark import any_to_lark
 
         try:
@@ -450,6 +453,26 @@ class LLGuidanceBackend(CachedGrammarBackend):
         if "allow_invalid_utf8" in lark:
             raise ValueError("cannot compile ebnf: allow_invalid_utf8 would let invalid UTF-8 into the text")
         return _HEADER + lark
+
+    def _structural_tag_lark(self, norm: str) -> str:
+        """Free text in which each trigger is a lazy lexeme (it ends the text the moment it appears)
+        followed by one of its structures: the rest of the begin, the JSON, the end."""
+        structures, triggers = structural_tag.load(norm)
+        rules, segments = [], []
+        for i, (trigger, group) in enumerate(structural_tag.by_trigger(structures, triggers)):
+            bodies = []
+            for s in group:
+                schema = {**(s.schema if isinstance(s.schema, dict) else {}), "x-guidance": self._json_options}
+                if s.schema is False:
+                    raise ValueError(f"cannot compile structural_tag: the schema of {s.begin!r} is false")
+                parts = [_lark_string(s.begin[len(trigger):]), "%json " + json.dumps(schema, separators=(",", ":")),
+                         _lark_string(s.end)]
+                bodies.append(" ".join(p for p in parts if p))
+            rules.append(f"trigger_{i}[lazy]: TEXT {_lark_string(trigger)}")
+            rules.append(f"segment_{i}: trigger_{i} ({' | '.join(bodies)})")
+            segments.append(f"segment_{i}")
+        lines = [f"start: ({' | '.join(segments)})* TEXT", *rules, r"TEXT: /(.|\n)*/"]
+        return _HEADER + "\n".join(lines)
 
     def _compile_uncached(self, kind: str, norm: Any) -> LLGuidanceGrammar:
         text = self.grammar_text(kind, norm)
@@ -475,3 +498,8 @@ class LLGuidanceBackend(CachedGrammarBackend):
                 reason = error
             raise ValueError(f"cannot compile {kind}: {reason}")
         return LLGuidanceGrammar(kind, template, self._executor, self.vocab)
+
+
+def _lark_string(text: str) -> str:
+    """A Lark string literal for ``text`` ("" for none)."""
+    return json.dumps(text, ensure_ascii=False) if text else ""

@@ -400,6 +400,9 @@ class OutlinesBackend(CachedGrammarBackend):
         """The regex a normalized spec compiles to (ValueError when there is none)."""
         if kind == "ebnf":
             raise ValueError("cannot compile ebnf: ebnf needs the xgrammar backend")
+        if kind == "structural_tag":
+            raise ValueError("cannot compile structural_tag: the outlines grammar backend cannot enforce it "
+                             "(free text around tagged JSON); serve with --grammar-backend llguidance or xgrammar")
         if kind == "choices":
             return choices_to_regex(norm)
         if kind == "regex":

@@ -34,6 +34,9 @@ class GenRequest:
     # sorted [start, end) character ranges of ``text`` that are message content: plain text, never
     # control tokens (radixlm.runtime.chat_template.encode_with_plain_spans)
     plain_spans: list[tuple[int, int]] = field(default_factory=list)
+    # OpenAI-shaped tools: the output is exactly one call of one of them, as the one-call VALUE
+    # JSON (radixlm.runtime.tool_calls); only sent to connections that take tools natively
+    tools: list[dict[str, Any]] | None = None
 
     def native_body(self) -> dict[str, Any]:
         """This generation as a native /generate body (the HTTP backend sends it; the server's
@@ -62,6 +65,10 @@ class StreamChunk:
 
 class Connection(ABC):
     """A backend opened for one run; every method may be awaited concurrently."""
+
+    # True: a gen with tools is sent as a GenRequest with ``tools`` (an API with tool calling of its
+    # own); False: the executor generates the call under the calls' JSON schema itself
+    native_tools: bool = False
 
     @abstractmethod
     async def generate(self, req: GenRequest) -> list[GenOutput]:

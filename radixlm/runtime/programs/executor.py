@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ from radixlm.runtime.programs.ir import (
 from radixlm.runtime.programs.sampling import SamplingArgs, convert_dtype
 from radixlm.runtime.programs.select import run_select
 from radixlm.runtime.programs.state import StateCore
+from radixlm.runtime.tool_calls import GENERIC, Tool, one_call_schema, read_one_call
 
 _FAILED_AT = "radixlm_failed_at"
 
@@ -140,6 +142,9 @@ async def _execute(core: StateCore, node: Any, ctx: RunContext) -> None:
 
 
 async def _gen(core: StateCore, node: GenNode, ctx: RunContext) -> None:
+    if node.tools is not None:
+        await _tool_gen(core, node, ctx)
+        return
     sampling = ctx.defaults.merged(node.sampling)
     constraint = {node.constraint.kind: node.constraint.spec} if node.constraint else {}
     role = core.open_role
@@ -166,6 +171,56 @@ async def _gen(core: StateCore, node: GenNode, ctx: RunContext) -> None:
     values = [convert_dtype(node.dtype, t) if node.dtype else t for t in texts]
     core.variables[node.name] = values if len(values) > 1 else values[0]
     core.meta[node.name] = metas if len(metas) > 1 else metas[0]
+
+
+async def _tool_gen(core: StateCore, node: GenNode, ctx: RunContext) -> None:
+    """One call of one of the node's tools: ``opener + VALUE + closer`` in the generic format,
+    VALUE generated under the one-call schema (or by the API's own tool calling); the variable
+    holds ``{"name", "arguments"}`` (bound by the node's binder)."""
+    assert node.tools is not None
+    sampling = ctx.defaults.merged(node.sampling)
+    if (sampling.n or 1) != 1:
+        raise ValueError("a gen with tools makes one call; n must be 1")
+    tools = [Tool(t.name, t.description, t.parameters) for t in node.tools]
+    params = sampling.to_native()
+    for key in ("stop", "ignore_eos", "min_new_tokens"):  # they shape text, never a call (as on the OpenAI route)
+        params.pop(key, None)
+    fmt = GENERIC
+    role = core.open_role
+    session = ctx.session.params(core, 1) if ctx.session is not None else None
+    if ctx.conn.native_tools:
+        req = GenRequest(core.text, params, list(core.messages), (role[0], core.text[role[1]:]) if role else None,
+                         session=session, plain_spans=plain_spans(core, ctx.template),
+                         tools=[t.to_openai() for t in tools])
+        out = (await ctx.conn.generate(req))[0]
+        value, meta = out.text, out.meta
+        core.append(fmt.opener + value, node.name)
+    else:
+        core.append(fmt.opener, node.name)
+        params["json_schema"] = json.dumps(one_call_schema(tools, fmt), separators=(",", ":"))
+        req = GenRequest(core.text, params, list(core.messages),
+                         (role[0], core.text[role[1]:]) if role else None, session=session,
+                         plain_spans=plain_spans(core, ctx.template))
+        parts: list[str] = []
+        meta = {}
+        if ctx.stream:
+            async for chunk in ctx.conn.stream(req):
+                parts.append(chunk.text)
+                core.append(chunk.text, node.name)
+                meta = chunk.meta or meta
+        else:
+            out = (await ctx.conn.generate(req))[0]
+            parts.append(out.text)
+            core.append(out.text, node.name)
+            meta = out.meta
+        value = "".join(parts)
+    if session is not None and ctx.session is not None:
+        ctx.session.covered = core.text
+    call = read_one_call(value, fmt)
+    core.append(fmt.closer, node.name)
+    if node.name is not None:
+        core.variables[node.name] = node.bind(call)
+        core.meta[node.name] = meta
 
 
 def plain_spans(core: StateCore, template: ChatTemplate) -> list[tuple[int, int]]:

@@ -9,18 +9,21 @@ sampling values) and raises ``GraphError`` with every problem found.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
 from radixlm.runtime.programs.sampling import SamplingArgs
+from radixlm.runtime.tool_calls import MAX_TOOLS, NAME_PATTERN
 
 IR_VERSION: Literal[1] = 1
 # Forks nest at most this deep, so every valid graph also loads from its own JSON text (the JSON
@@ -86,8 +89,28 @@ class Constraint(_Node):
     spec: str = Field(min_length=1)
 
 
+class ToolSpec(_Node):
+    """A tool a gen may call, as data: its name, description and JSON-schema parameters (the
+    function itself stays with the program that offered it)."""
+
+    name: str = Field(pattern=NAME_PATTERN.pattern)
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_describe_an_object(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if v.get("type", "object") != "object":
+            raise ValueError(f"parameters must describe an object (type 'object'), got type {v.get('type')!r}")
+        return v
+
+
 class GenNode(_Node):
-    """One generation call; its sampling values override the run's defaults field by field."""
+    """One generation call; its sampling values override the run's defaults field by field.
+
+    With ``tools`` the generation is exactly one call of one of them (docs/dsl.md, "Tools") and
+    its variable holds the call ``{"name", "arguments"}``; a program run in-process may attach a
+    binder that turns that data into a call of its own function (``with_binder``)."""
 
     op: Literal["gen"] = "gen"
     name: str | None = None
@@ -96,12 +119,39 @@ class GenNode(_Node):
     dtype: Literal["int", "float", "bool", "str"] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0)
+    tools: list[ToolSpec] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    _binder: Callable[[Any], Any] | None = PrivateAttr(default=None)
 
     @field_validator("sampling")
     @classmethod
     def _sampling_is_valid(cls, v: SamplingArgs) -> SamplingArgs:
         v.check()
         return v
+
+    @model_validator(mode="after")
+    def _tools_are_alone(self) -> GenNode:
+        if self.tools is None:
+            return self
+        names = [t.name for t in self.tools]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tool name {twice[0]!r} is used twice; tool names must be unique")
+        if self.constraint is not None or self.dtype is not None:
+            raise ValueError("a gen with tools takes no regex, json_schema, ebnf or dtype: the tools' schemas "
+                             "are its constraint")
+        if (self.sampling.n or 1) != 1:
+            raise ValueError("a gen with tools makes one call; n must be 1")
+        return self
+
+    def with_binder(self, binder: Callable[[Any], Any]) -> GenNode:
+        """This node, whose call values ``binder`` turns into the caller's own objects (in-process
+        only: a binder is never serialized)."""
+        self._binder = binder
+        return self
+
+    def bind(self, value: Any) -> Any:
+        """A call value as the program that made this node wants it (unchanged without a binder)."""
+        return value if self._binder is None else self._binder(value)
 
 
 class SelectNode(_Node):

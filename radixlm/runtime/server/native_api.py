@@ -13,7 +13,6 @@ from typing import Any
 
 from aiohttp import web
 
-from radixlm.runtime.constrained import GRAMMAR_KINDS
 from radixlm.runtime.intake import PromptRequest, Submission
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.context import CONTEXT, ServerContext
@@ -122,9 +121,6 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max
             sp = SamplingParams.from_dict(params[i])
         except ValueError as e:
             raise ApiError(400, f"invalid sampling_params: {e}", param="sampling_params") from None
-        if sp.structural_tag is not None and "structural_tag" not in GRAMMAR_KINDS:
-            raise ApiError(400, "invalid sampling_params: structural_tag is not supported by this server yet; "
-                                "constrain the output with json_schema, regex or ebnf", param="sampling_params")
         specs.append(PromptRequest(
             rid=rids[i],
             prompt_ids=ids,

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -62,7 +63,7 @@ CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "logprobs", 
                "response_format", "tools", "tool_choice", "parallel_tool_calls", "session_id")
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                   "prompt_cache_retention", "reasoning_effort", "verbosity")
-UNSUPPORTED_FIELDS = ("suffix", "logit_bias", "functions", "function_call", "audio", "prediction",
+UNSUPPORTED_FIELDS = ("suffix", "functions", "function_call", "audio", "prediction",
                       "web_search_options", "modalities")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -167,6 +168,14 @@ def _read(body: Mapping[str, Any], key: str, p: Param) -> Any:
         if not is_token_list(body[key]):
             raise ApiError(400, f"{key} must be a list of integer token ids", param=key)
         return body[key]
+    if p.kind == "logit_bias":  # OpenAI's range; SamplingParams reads the ids and the vocabulary bounds them
+        bias = body[key]
+        hi = p.openai_hi if p.openai_hi is not None else math.inf
+        if not isinstance(bias, dict) or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and -hi <= b <= hi for b in bias.values()):
+            raise ApiError(400, f"{key} must be an object {{token id: bias}} with each bias a number in "
+                                f"[-{hi:g}, {hi:g}]", param=key)
+        return bias
     if p.kind == "schema":
         if not isinstance(body[key], (str, dict)):
             raise ApiError(400, f"{key} must be a JSON schema (object or string)", param=key)
@@ -174,15 +183,20 @@ def _read(body: Mapping[str, Any], key: str, p: Param) -> Any:
     return get_str(body, key)
 
 
-def _params(d: dict[str, Any]) -> SamplingParams:
+def _params(d: dict[str, Any], tok: ServerTokenizer) -> SamplingParams:
     try:
-        return SamplingParams(**d)
+        params = SamplingParams(**d)
     except ValueError as e:
         message = str(e)
         for ours, theirs in _RENAMES.items():
             message = message.replace(ours, theirs)
         param = next((k for k in SAMPLING_FIELDS if message.startswith(f"{k} ")), None)
         raise ApiError(400, message, param=param) from None
+    bad = next((t for t, _ in params.logit_bias if t >= tok.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"logit_bias holds token id {bad}, outside the vocabulary [0, {tok.vocab_size})",
+                       param="logit_bias")
+    return params
 
 
 def _common(body: Mapping[str, Any]) -> tuple[int, bool, bool]:
@@ -417,7 +431,7 @@ def plan_completion(body: dict[str, Any], tok: ServerTokenizer, max_top: int, ma
         raise ApiError(400, "echo with logprobs is not available when streaming; drop stream or logprobs",
                        param="echo")
     max_tokens = get_int(body, "max_tokens", None, lo=0)
-    params = _params(_sampling(body, n, max_tokens, 16))
+    params = _params(_sampling(body, n, max_tokens, 16), tok)
     rid = f"cmpl-{uuid.uuid4().hex}"
     specs = [
         PromptRequest(rid if len(prompts) == 1 else f"{rid}-{p}", ids, params, return_logprob=logprobs is not None,
@@ -493,7 +507,7 @@ def plan_chat(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs
     d = _sampling(body, n, max_tokens, tok.context_length - len(ids))
     _response_format(body, d)
     first_phase_params(d, tools)
-    params = _params(d)
+    params = _params(d, tok)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     spec = PromptRequest(rid, ids, params, return_logprob=logprobs, top_logprobs_num=top if logprobs else 0)
     jobs = expand_jobs([spec], max_jobs, _chat_session(body, n))
@@ -605,9 +619,11 @@ def _response_format(body: Mapping[str, Any], d: dict[str, Any]) -> None:
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
                            param="response_format")
         d["json_schema"] = json.dumps(schema)
+    elif kind == "structural_tag":  # SGLang's: the whole object is the tag (the grammar engine checks it)
+        d["structural_tag"] = json.dumps(rf)
     else:
-        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                       param="response_format")
+        raise ApiError(400, f"response_format.type must be text, json_object, json_schema or structural_tag, "
+                            f"got {kind!r}", param="response_format")
 
 
 

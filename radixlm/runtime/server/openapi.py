@@ -83,8 +83,8 @@ def _sampling_params() -> Schema:
         props[name] = {"enum": list(empty), "description": f"SGLang's; accepted only as {empty[-1]!r} or null: {why}"}
     return _obj(props, closed=True, description=(
         "Unknown keys are a 400. At most one of regex, json_schema, ebnf, choices, structural_tag "
-        "(structural_tag is not supported yet: a 400). A constraint the grammar engine cannot compile is a "
-        "400 naming it."))
+        "(SGLang's, as JSON text; not with the outlines backend). A constraint the grammar engine cannot "
+        "compile is a 400 naming it."))
 
 
 def sampling_schema(p: Param, default: Any = None, openai: bool = False) -> Schema:
@@ -108,7 +108,8 @@ def sampling_schema(p: Param, default: Any = None, openai: bool = False) -> Sche
         one = {"type": "string", "minLength": 1}
         s = {"anyOf": [one, {"type": "array", "items": one, "maxItems": MAX_STOP_REGEXES}]}
     elif p.kind == "logit_bias":
-        bias = {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE, "maximum": MAX_LOGIT_BIAS_VALUE}
+        most = p.openai_hi if openai and p.openai_hi is not None else MAX_LOGIT_BIAS_VALUE
+        bias = {"type": "number", "minimum": -most, "maximum": most}
         s = {"type": "object", "patternProperties": {"^[0-9]+$": bias}, "additionalProperties": False,
              "maxProperties": MAX_LOGIT_BIAS}
     elif p.kind == "token_ids":

@@ -178,7 +178,10 @@ def test_every_field_the_sglang_frontend_sends_is_accepted(server: Server):
 @pytest.mark.parametrize(("params", "field", "what"), [
     ({"custom_params": {"x": 1}}, "custom_params", "custom logit processors"),
     ({"structural_tag": json.dumps({"type": "structural_tag", "structures": [], "triggers": []})},
-     "structural_tag", "not supported"),
+     "structural_tag", "structures must be a non-empty list"),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "structures": [{"begin": "<a>", "schema": {}, "end": ""}],
+                                    "triggers": ["<b"]})}, "structural_tag", "every begin must start with a trigger"),
+    ({"structural_tag": "{not json"}, "structural_tag", "not valid JSON"),
     ({"stop_regex": "(unclosed"}, "stop_regex", "not a valid regular expression"),
     ({"stop_regex": "(a{1000}){1000}"}, "stop_regex", "expand past"),
     ({"stop_regex": "x*"}, "stop_regex", "matches the empty text"),
@@ -230,6 +233,16 @@ def test_logit_bias_forces_or_bans_a_token(server: Server, smol_tokenizer):
     assert banned["output_ids"][0] != first
 
 
+def test_logit_bias_on_the_openai_routes(server: Server, smol_tokenizer):
+    target = smol_tokenizer.encode(" banana", add_special_tokens=False)[0]
+    status, out = server.post("/v1/completions", {"model": "m", "prompt": "Hello", "max_tokens": 3,
+                                                   "logit_bias": {str(target): 100}})
+    assert status == 200 and out["choices"][0]["text"] == " banana" * 3, out
+    status, out = server.post("/v1/chat/completions", {"model": "m", "max_tokens": 3, "logit_bias": {str(target): 100},
+                                                        "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and out["choices"][0]["message"]["content"] == " banana" * 3, out
+
+
 def test_sampling_seed_is_seed(server: Server):
     params = {"temperature": 1.0, "max_new_tokens": 12}
     assert _gen(server, {**params, "sampling_seed": 11})["output_ids"] == _gen(server, {**params, "seed": 11})[
@@ -244,3 +257,47 @@ def test_stream_interval_sends_a_chunk_every_k_tokens(server: Server):
     assert sparse[-1]["text"] == every[-1]["text"] and sparse[-1]["output_ids"] == every[-1]["output_ids"]
     counts = [len(e["output_ids"]) for e in sparse]
     assert counts == [1, 5, 9, 12], counts  # the first token at once, then every 4, then the end
+
+
+# -- structural_tag: free text, enforced JSON inside each tag ---------------------------------------
+TAG_PROMPT = ('To get the weather, write <function=get_weather>{"city": "NAME"}</function>.\n'
+              'Q: What is the weather in Paris?\nA: Let me check. <function=get_weather>{"city": "Paris"}</function>\n'
+              "Q: What is the weather in Rome?\nA:")
+CITY = {"type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}
+TAG = {"type": "structural_tag", "triggers": ["<function="],
+       "structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"}]}
+SEGMENT = re.compile(r"<function=get_weather>(.*?)</function>", re.S)
+
+
+def check_tagged(text: str) -> None:
+    """The text holds at least one tag, and every tag's JSON follows the schema."""
+    segments = SEGMENT.findall(text)
+    assert segments and text.count("<function=") == len(segments), text
+    for seg in segments:
+        assert json.loads(seg)["city"] in ("Rome", "Oslo") and set(json.loads(seg)) == {"city"}, text
+
+
+def test_structural_tag_on_native_generate(server: Server):
+    free = server.generate({"text": TAG_PROMPT, "sampling_params": {"max_new_tokens": 40, "temperature": 0}})
+    assert "<function=get_weather>" in free["text"]  # the model writes the tag by itself here
+    for tag in (TAG, {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+            {"type": "tag", "begin": "<function=get_weather>", "content": {"type": "json_schema", "json_schema": CITY},
+             "end": "</function>"}]}}):
+        out = server.generate({"text": TAG_PROMPT, "sampling_params": {
+            "max_new_tokens": 40, "temperature": 0, "structural_tag": json.dumps(tag)}})
+        check_tagged(out["text"])
+        assert out["text"].startswith(" Let me check.")  # free text outside the tag
+
+
+def test_structural_tag_as_openai_response_format(server: Server):
+    messages = [{"role": "system", "content": TAG_PROMPT.rsplit("\nQ:", 1)[0]},
+                {"role": "user", "content": "Q: What is the weather in Rome?"},
+                {"role": "assistant", "content": "Let me check. <function=get_weather>{\"city\": \"Rome\"}</function>"},
+                {"role": "user", "content": "Q: And in Oslo?"}]
+    body = {"model": "m", "max_tokens": 40, "temperature": 0, "messages": messages}
+    status, out = server.post("/v1/chat/completions", {**body, "response_format": TAG})
+    assert status == 200, out
+    check_tagged(out["choices"][0]["message"]["content"])
+    status, out = server.post("/v1/chat/completions", {**body, "response_format": {**TAG, "triggers": ["<x"]}})
+    assert status == 400 and "every begin must start with a trigger" in out["error"]["message"], out
