@@ -19,6 +19,8 @@ HELP = {
     "cache": "prefix cache: radix shares prefixes, none is the no-sharing twin",
     "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction)",
     "chunked_prefill_size": "prompt tokens per step; 0 turns chunking off",
+    "tp_size": "tensor-parallel ranks, one process each (NCCL on CUDA, gloo on CPU); default: 1",
+    "dist_timeout": "seconds a collective waits for a rank before the engine restarts; default: 120",
 }
 
 
