@@ -230,6 +230,10 @@ def _serve(ns: argparse.Namespace) -> int:
 
     settings = server_settings(ns)
     config = EngineConfig.from_kwargs(**engine_options(ns))
+    if config.parallel.tp_size > 1:  # a --tp-size that cannot work fails before the server starts
+        from radixlm.runtime.engine_core import check_parallel
+
+        check_parallel(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(serve(settings, config))
 

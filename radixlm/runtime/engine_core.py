@@ -98,9 +98,8 @@ class EngineCore:
             raise ValueError(f"unknown cache {cc.cache!r}; choose one of {sorted(CACHES)}")
         tp_size = config.parallel.tp_size
         self.workers: WorkerSet | None = None
-        if tp_size > 1:  # bad sizes fail here, before any process starts
-            check_tp_size(arch, tp_size)
-            check_devices(mc.device, tp_size)
+        if tp_size > 1:
+            check_parallel(config, arch)  # bad sizes fail here, before any process starts
             self.workers = WorkerSet(__name__, config.flat(), tp_size)
         self.device = tp_device(mc.device, 0)
         self.context_length = context_length(config, arch.max_position_embeddings)
@@ -136,6 +135,11 @@ class EngineCore:
         self._ahead_forward: AheadForward | None = None
         self.ahead_steps = 0  # decode steps queued ahead of the host (the overlap schedule)
         self.steps = 0
+
+    def check_ranks(self) -> None:
+        """Raise RankFailure if a tensor-parallel worker rank has exited (cheap: a non-blocking wait)."""
+        if self.leader is not None:
+            self.leader.workers.check()
 
     def close(self, graceful: bool = True) -> None:
         """Stop the tensor-parallel worker ranks (nothing to do without tensor parallelism);
@@ -460,6 +464,18 @@ class EngineCore:
         """Drop every cached prefix; sessions stay open, unpinned (their next turns recompute)."""
         self.sessions.unpin_all()
         self.cache.reset()
+
+
+def check_parallel(config: EngineConfig, arch: ModelArch | None = None) -> None:
+    """A one-line ValueError when --tp-size does not split the model's heads and MLP evenly, or
+    names more ranks than GPUs (`arch`: the model's, resolved from the config when None)."""
+    size, mc = config.parallel.tp_size, config.model
+    if size == 1:
+        return
+    if arch is None:
+        arch = resolve_model(mc.model, Path(mc.cache_dir), mc.tokenizer_path).arch
+    check_tp_size(arch, size)
+    check_devices(mc.device, size)
 
 
 def context_length(config: EngineConfig, model_max: int) -> int:

@@ -63,6 +63,7 @@ class ModelRunner:
         try:
             return self._forward(seqs, ids)
         except Exception as e:  # the ranks may be out of step now: only a restart recovers
+            self.leader.workers.check()  # a dead rank is the likelier cause: name it
             raise RankFailure(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
 
     def _forward(self, seqs: list[SeqStep], ids: torch.Tensor | None) -> torch.Tensor:

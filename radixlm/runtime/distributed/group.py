@@ -32,6 +32,7 @@ class TPGroup:
     device: torch.device
     device_group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
+    timeout: datetime.timedelta
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns it."""
@@ -45,8 +46,13 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
     def broadcast_host(self, t: torch.Tensor) -> None:
-        """Rank 0's int64 host tensor `t` into every rank's `t` (same shape), over gloo."""
-        dist.broadcast(t, src=0, group=self.cpu_group)
+        """Rank 0's int64 host tensor `t` into every rank's `t` (same shape), over gloo. The
+        receivers wait as long as rank 0 idles; rank 0 waits at most the group's timeout."""
+        work = dist.broadcast(t, src=0, group=self.cpu_group, async_op=True)
+        if self.rank == 0:
+            work.wait(timeout=self.timeout)
+        else:
+            work.wait()
 
     def broadcast_device(self, t: torch.Tensor) -> None:
         """Rank 0's device tensor `t` into every rank's `t`."""
@@ -68,10 +74,10 @@ def init_tp_group(rank: int, size: int, init_file: str, device: torch.device, ti
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
-    group = TPGroup(rank, size, device, dist.group.WORLD, cpu_group)  # type: ignore[arg-type]
+    group = TPGroup(rank, size, device, dist.group.WORLD, cpu_group, timeout)  # type: ignore[arg-type]
     # The communicators come up now, before any CUDA graph captures a collective.
     group.all_reduce(torch.zeros(1, device=device))
     return group
@@ -93,5 +99,6 @@ def check_devices(device: str, size: int) -> None:
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     first = base.index or 0
     if first + size > visible:
-        raise ValueError(f"--tp-size {size} needs {size} GPUs from cuda:{first}, but {visible} are visible; "
-                         f"lower --tp-size to at most {max(visible - first, 0)} or make more GPUs visible")
+        fix = (f"lower --tp-size to at most {visible - first} or make more GPUs visible" if visible > first
+               else "run on --device cpu (gloo) or make GPUs visible")
+        raise ValueError(f"--tp-size {size} needs {size} GPUs from cuda:{first}, but {visible} are visible: {fix}")

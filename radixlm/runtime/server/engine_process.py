@@ -91,6 +91,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any]) ->
     while True:
         if os.getppid() != parent:  # the server died without a Shutdown (SIGKILL): don't linger as an orphan
             return
+        core.check_ranks()  # a dead tensor-parallel rank ends this process, idle or not: the server restarts it
         timeout = 0 if core.has_work else PARENT_CHECK_MS
         core.sessions.expire()  # also while idle, so expired sessions stop pinning KV
         while poller.poll(timeout):
