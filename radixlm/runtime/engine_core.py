@@ -28,7 +28,7 @@ from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.cuda_graph import graph_buckets
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.distributed import TPGroup, check_devices, check_tp_size, init_tp_group, tp_device
-from radixlm.runtime.distributed.launch import Leader, WorkerSet, exit_with_parent
+from radixlm.runtime.distributed.launch import Leader, WorkerSet, cpu_threads, exit_with_parent
 from radixlm.runtime.distributed.step import StepChannel
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
@@ -101,6 +101,8 @@ class EngineCore:
         if tp_size > 1:
             check_parallel(config, arch)  # bad sizes fail here, before any process starts
             self.workers = WorkerSet(__name__, config.flat(), tp_size)
+            if mc.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+                torch.set_num_threads(cpu_threads(tp_size))  # rank 0 takes its share like the workers
         self.device = tp_device(mc.device, 0)
         self.context_length = context_length(config, arch.max_position_embeddings)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))

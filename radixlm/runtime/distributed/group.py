@@ -86,7 +86,7 @@ def init_tp_group(rank: int, size: int, init_file: str, device: torch.device, ti
 def tp_device(device: str, rank: int) -> torch.device:
     """The device of `rank`: CUDA ranks take consecutive GPUs from the configured one; CPU ranks share the host."""
     base = torch.device(device)
-    if base.type != "cuda":
+    if base.type != "cuda" or rank == 0:
         return base
     return torch.device("cuda", (base.index or 0) + rank)
 

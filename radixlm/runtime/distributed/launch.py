@@ -31,8 +31,7 @@ class WorkerSet:
         self.init_file = os.path.join(self.dir, "rendezvous")
         self.size = size
         env = dict(os.environ)
-        # The host's cores are split over the ranks (CPU ranks would otherwise each start a thread per core).
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads(size)))
         text = json.dumps(config)
         self.procs = [
             subprocess.Popen([sys.executable, "-m", module, "--rank", str(r), "--size", str(size),
@@ -61,6 +60,12 @@ class WorkerSet:
                 p.kill()
                 p.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def cpu_threads(size: int) -> int:
+    """Intra-op threads for each of `size` CPU ranks: the host's cores split evenly (each rank
+    would otherwise start a thread per core, and the all-reduces wait for the slowest)."""
+    return max(1, (os.cpu_count() or 1) // size)
 
 
 def exit_with_parent(poll_s: float = 0.5) -> None:

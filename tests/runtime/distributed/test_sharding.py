@@ -52,7 +52,7 @@ def test_kv_heads_fewer_than_ranks_are_replicated_to_the_ranks_that_read_them():
 
 
 @pytest.mark.parametrize(("name", "size", "vocab"), [("llama-tiny", 2, None), ("llama-tiny", 4, 1001),
-                                                     ("smollm2-135m", 3, 1000)])
+                                                     ("smollm2-135m", 3, 1000), ("qwen2.5-0.5b", 2, 1000)])
 def test_shards_put_back_together_are_the_whole_model(name, size, vocab):
     """Column pieces stack, row pieces sit side by side, vocabulary rows stack (the padding cut
     off), norms are whole; the local shapes are the shapes of the sharded model's parameters."""
@@ -66,7 +66,7 @@ def test_shards_put_back_together_are_the_whole_model(name, size, vocab):
     for name_, full in whole.items():
         pieces = [plan.shard(name_, full) for plan in plans]
         local = plans[0].local_shape(arch)
-        if name_.endswith("qkv_proj.weight"):
+        if name_.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             q, k, v = torch.split(full, [arch.q_size, kv, kv])
             parts = [torch.split(p, [local.q_size, local.kv_size, local.kv_size]) for p in pieces]
             assert torch.equal(torch.cat([p[0] for p in parts]), q)

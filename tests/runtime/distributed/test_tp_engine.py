@@ -23,9 +23,10 @@ def step_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     return runner.forward([SeqStep(0, 0, ids, list(range(1, len(ids) + 1)), 0, prefix_slots=[])]).clone()
 
 
-def run(model: str, dtype: str, tp: int, ids: list[int]) -> tuple[list[list[int]], torch.Tensor]:
-    with Engine(model, dtype=dtype, tp_size=tp, **OPTS) as engine:
+def run(model: str, dtype: str, tp: int, ids: list[int], **opts: object) -> tuple[list[list[int]], torch.Tensor]:
+    with Engine(model, dtype=dtype, tp_size=tp, **OPTS, **opts) as engine:
         outs = engine.generate(PROMPTS, GREEDY)
+        assert (engine.core.ahead_steps > 0) == bool(opts.get("overlap_schedule"))
         logits = step_logits(engine, ids)
         procs = engine.core.workers.procs if engine.core.workers else []
     assert all(p.returncode == 0 for p in procs)  # shutdown stops every worker cleanly
@@ -42,9 +43,11 @@ def tiny_tp1(ids):
     return run("dummy:llama-tiny", "float32", 1, ids)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_dummy_model_tp_matches_tp1(tp, ids, tiny_tp1):
-    tokens, logits = run("dummy:llama-tiny", "float32", tp, ids)
+@pytest.mark.parametrize(("tp", "overlap"), [(2, True), (4, False)])
+def test_dummy_model_tp_matches_tp1(tp, overlap, ids, tiny_tp1):
+    """With the overlap schedule, decode steps reach the workers with their tokens still on
+    rank 0's device (sent over the device group)."""
+    tokens, logits = run("dummy:llama-tiny", "float32", tp, ids, overlap_schedule=overlap)
     ref_tokens, ref_logits = tiny_tp1
     assert tokens == ref_tokens
     assert logits.shape == ref_logits.shape == (len(ids), 49152)
