@@ -87,13 +87,18 @@ class Leader:
     def __init__(self, channel: StepChannel, workers: WorkerSet) -> None:
         self.channel = channel
         self.workers = workers
+        self.steps_sent = 0
+        self.send_seconds = 0.0  # host time spent sending steps (benchmarks/tp_cpu.py reports it)
 
     def send(self, seqs: list[SeqStep], ids: torch.Tensor | None) -> None:
+        start = time.perf_counter()
         self.workers.check()
         try:
             self.channel.send(seqs, ids)
         except RuntimeError as e:
             raise RankFailure(f"sending a step to the tensor-parallel ranks failed: {e}") from e
+        self.steps_sent += 1
+        self.send_seconds += time.perf_counter() - start
 
     def stop(self) -> None:
         """Tell the workers to exit, wait for them, leave the process group."""

@@ -1,7 +1,8 @@
 """Each step's batch description, from rank 0 to the other ranks, as plain int64 tensors.
 
-A message is a fixed header [kind, payload length, ids length] broadcast over the gloo control
-group, then the payload (the steps' ints), then, when the step's tokens are still on rank 0's
+A message is one fixed-size broadcast over the gloo control group: [kind, payload length, ids
+length, payload...], the payload (the steps' ints) inline when it fits (a decode step of up to
+~300 sequences), else in a second broadcast; then, when the step's tokens are still on rank 0's
 device (the overlap schedule), those ids over the device group."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.distributed.group import TPGroup
 
 STEP, STOP = 1, 2
+_HEADER = 3
+_INLINE = 2048  # payload ints carried in the first broadcast (16 KiB in all)
 _FIXED = 6  # per sequence: row, cached_len, tokens, logit_start, slots, prefix slots (-1: None)
 
 
@@ -67,25 +70,35 @@ class StepChannel:
         self.group = group
 
     def send(self, seqs: list[SeqStep], ids: torch.Tensor | None) -> None:
-        payload = torch.tensor(encode_steps(seqs), dtype=torch.int64)
+        payload = encode_steps(seqs)
         n_ids = -1 if ids is None else int(ids.numel())
-        self.group.broadcast_host(torch.tensor([STEP, payload.numel(), n_ids], dtype=torch.int64))
-        self.group.broadcast_host(payload)
+        first = torch.zeros(_HEADER + _INLINE, dtype=torch.int64)
+        first[:_HEADER] = torch.tensor([STEP, len(payload), n_ids])
+        if len(payload) <= _INLINE:
+            first[_HEADER : _HEADER + len(payload)] = torch.tensor(payload, dtype=torch.int64)
+        self.group.broadcast_host(first)
+        if len(payload) > _INLINE:
+            self.group.broadcast_host(torch.tensor(payload, dtype=torch.int64))
         if ids is not None:
             self.group.broadcast_device(ids.contiguous())
 
     def stop(self) -> None:
-        self.group.broadcast_host(torch.tensor([STOP, 0, -1], dtype=torch.int64))
+        first = torch.zeros(_HEADER + _INLINE, dtype=torch.int64)
+        first[0] = STOP
+        self.group.broadcast_host(first)
 
     def receive(self) -> Step | None:
         """The next step, or None when rank 0 stops."""
-        header = torch.empty(3, dtype=torch.int64)
-        self.group.broadcast_host(header)
-        kind, size, n_ids = header.tolist()
+        first = torch.empty(_HEADER + _INLINE, dtype=torch.int64)
+        self.group.broadcast_host(first)
+        kind, size, n_ids = first[:_HEADER].tolist()
         if kind == STOP:
             return None
-        payload = torch.empty(size, dtype=torch.int64)
-        self.group.broadcast_host(payload)
+        if size <= _INLINE:
+            payload = first[_HEADER : _HEADER + size]
+        else:
+            payload = torch.empty(size, dtype=torch.int64)
+            self.group.broadcast_host(payload)
         ids = None
         if n_ids >= 0:
             ids = torch.empty(n_ids, dtype=torch.int64, device=self.group.device)
