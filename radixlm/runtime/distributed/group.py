@@ -72,7 +72,7 @@ class TPGroup:
 def init_tp_group(rank: int, size: int, init_file: str, device: torch.device, timeout_s: float) -> TPGroup:
     """Join the group rendezvousing at `init_file` (a file path every rank of one engine shares)."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # ("cuda" alone names no index: the first GPU)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size, timeout=timeout)

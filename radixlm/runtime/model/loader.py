@@ -141,7 +141,7 @@ def build_model(
     with torch.device("meta"):
         model = LlamaModel(arch, tp)
         whole = model if tp is None else LlamaModel(arch)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # (never whole in fp32: a 70B shard would not fit)
     if model_dir is None:
         gen = torch.Generator(device=device).manual_seed(seed)
         params = dict(model.named_parameters())

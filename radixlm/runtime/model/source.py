@@ -37,6 +37,9 @@ _LLAMA3_8B = dict(
 )
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3-8b": _LLAMA3_8B,
+    # ~141 GB in bf16: runs only split over GPUs (--tp-size 2 on two H200s; docs/distributed.md)
+    "llama-3-70b": dict(_LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8),
     "smollm2-135m": dict(  # the default model's architecture
         architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
