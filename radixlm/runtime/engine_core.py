@@ -96,6 +96,9 @@ class EngineCore:
         arch = self.source.arch
         if cc.cache not in CACHES:
             raise ValueError(f"unknown cache {cc.cache!r}; choose one of {sorted(CACHES)}")
+        check_grammar_backend(config.constraint.grammar_backend)  # fail at start, not at the first constrained request
+        self.context_length = context_length(config, arch.max_position_embeddings)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
         tp_size = config.parallel.tp_size
         self.workers: WorkerSet | None = None
         if tp_size > 1:
@@ -104,9 +107,7 @@ class EngineCore:
             if mc.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
                 torch.set_num_threads(cpu_threads(tp_size))  # rank 0 takes its share like the workers
         self.device = tp_device(mc.device, 0)
-        self.context_length = context_length(config, arch.max_position_embeddings)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
-        try:
+        try:  # (what can fail once the workers run; they are stopped then)
             group = None if self.workers is None else init_tp_group(
                 0, tp_size, self.workers.init_file, self.device, config.parallel.dist_timeout)
             self.model, self.runner = build_runner(config, self.source, self.device, group)
@@ -124,7 +125,6 @@ class EngineCore:
         self.scheduler = Scheduler(sc, self.cache, self.allocator, self.context_length, self.sessions.unpin_lru)
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset(arch.eos_token_ids) | ({eos} if eos is not None else set())
-        check_grammar_backend(config.constraint.grammar_backend)  # fail at start, not at the first constrained request
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)
         jump_cap = config.constraint.jump_forward_max_running
         if jump_cap is None:
