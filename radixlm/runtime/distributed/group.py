@@ -92,7 +92,11 @@ def tp_device(device: str, rank: int) -> torch.device:
 
 
 def check_devices(device: str, size: int) -> None:
-    """One line saying what to change when `size` CUDA ranks do not fit the visible GPUs."""
+    """One line saying what to change when `size` ranks cannot start here: more CUDA ranks than
+    visible GPUs, or a second tensor-parallel engine in a process that already runs one."""
+    if size > 1 and dist.is_initialized():
+        raise ValueError("this process already runs a tensor-parallel engine (torch.distributed is initialized): "
+                         "shut it down first, or run the second engine in its own process")
     base = torch.device(device)
     if base.type != "cuda" or size == 1:
         return
