@@ -1,8 +1,8 @@
 """The tensor-parallel process group of one engine: its collectives and its control channel.
 
-Two groups over the same ranks: the device group (NCCL on CUDA, gloo on CPU) carries the
-model's all-reduces and gathers; a gloo group carries the per-step batch description from
-rank 0 (plain ints on the host). Both come from torch.distributed; nothing here is a transport
+The ranks meet in a gloo default group (start-up only); then two groups over the same ranks:
+the device group (NCCL on CUDA, gloo on CPU; --dist-timeout) carries the model's all-reduces and
+gathers; a gloo group carries the per-step batch description from rank 0 (plain ints on the host). Both come from torch.distributed; nothing here is a transport
 of our own."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.distributed as dist
 # The control group's receivers wait for rank 0's next step for as long as the engine idles;
 # a dead peer still ends the wait at once (its sockets close), so no time limit is needed there.
 _IDLE_WAIT = datetime.timedelta(days=3650)
+_START_WAIT = datetime.timedelta(seconds=600)
 
 
 class RankFailure(RuntimeError):
@@ -75,9 +76,13 @@ def init_tp_group(rank: int, size: int, init_file: str, device: torch.device, ti
         torch.cuda.set_device(device.index or 0)  # ("cuda" alone names no index: the first GPU)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size, timeout=timeout)
+    # The rendezvous waits for every worker to start (imports and model lookup: tens of seconds
+    # on a loaded host), whatever --dist-timeout says; the groups below carry the steps.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
+                            timeout=max(timeout, _START_WAIT))
+    device_group = dist.new_group(backend=backend, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
-    group = TPGroup(rank, size, device, dist.group.WORLD, cpu_group, timeout)  # type: ignore[arg-type]
+    group = TPGroup(rank, size, device, device_group, cpu_group, timeout)
     # The communicators come up now, before any CUDA graph captures a collective.
     group.all_reduce(torch.zeros(1, device=device))
     return group
