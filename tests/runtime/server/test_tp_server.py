@@ -66,8 +66,10 @@ def test_worker_killed_while_idle_restarts_the_engine(server: Server):
     [worker] = workers(server)
     engine = server.server_info()["engine_pid"]
     os.kill(worker, signal.SIGKILL)
-    health = poll("the engine to notice", lambda: (r := server.get("/health"))[0] == 503 and r[1])
-    assert "tensor-parallel rank 1" in health["error"]["message"] and "restarting" in health["error"]["message"]
+    # (the 503's reason gains "; restarting it" once the server has decided to restart)
+    health = poll("the restart", lambda: (r := server.get("/health"))[0] == 503
+                  and "restarting" in r[1]["error"]["message"] and r[1])
+    assert f"RankFailure: tensor-parallel rank 1 (pid {worker}) exited with code -9" in health["error"]["message"]
     wait_restarted(server, 1)
     info = server.server_info()
     assert info["engine_pid"] != engine and workers(server) != [worker]
