@@ -19,6 +19,8 @@ HELP = {
     "cache": "prefix cache: radix shares prefixes, none is the no-sharing twin",
     "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction)",
     "chunked_prefill_size": "prompt tokens per step; 0 turns chunking off",
+    "tp_size": "tensor-parallel ranks, one process each (NCCL on CUDA, gloo on CPU); default: 1",
+    "dist_timeout": "seconds a collective waits for a rank before the engine restarts; default: 120",
 }
 
 
@@ -230,6 +232,10 @@ def _serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--dp-size must be >= 1, got {ns.dp_size}")
     settings = server_settings(ns)
     config = EngineConfig.from_kwargs(**engine_options(ns))
+    if config.parallel.tp_size > 1:  # a --tp-size that cannot work fails before the server starts
+        from radixlm.runtime.engine_core import check_parallel
+
+        check_parallel(config)
     if ns.dp_size > 1:
         return _serve_replicas(ns)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

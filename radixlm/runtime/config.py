@@ -152,12 +152,28 @@ class CudaGraphConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: one engine process per rank, over torch.distributed (docs/distributed.md)."""
+
+    tp_size: int = 1  # ranks the model's heads, MLP and vocabulary are split over (SGLang's --tp-size)
+    # A collective that waits this long for a rank fails the step and restarts the engine (never a hang).
+    dist_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     constraint: ConstraintConfig = field(default_factory=ConstraintConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
 
     @property
@@ -182,7 +198,14 @@ class EngineConfig:
                 raise ValueError(f"unknown engine option {key!r}; valid options: {', '.join(valid)}")
         return cls(**{p: _COMPONENTS[p](**v) for p, v in parts.items()}, **top)
 
+    def flat(self) -> dict[str, Any]:
+        """The flat keyword arguments `from_kwargs` rebuilds this config from (JSON-safe)."""
+        out: dict[str, Any] = {"attention_backend": self.attention_backend}
+        for part in _COMPONENTS:
+            out.update(dataclasses.asdict(getattr(self, part)))
+        return out
+
 
 _COMPONENTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-               "constraint": ConstraintConfig, "cuda_graph": CudaGraphConfig}
+               "constraint": ConstraintConfig, "cuda_graph": CudaGraphConfig, "parallel": ParallelConfig}
 COMPONENT_TYPES = tuple(_COMPONENTS.values())

@@ -146,10 +146,11 @@ class Engine:
         return Session(self, self.open_session(capacity, ttl, session_id))  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
-        """Abort whatever is still in flight."""
+        """Abort whatever is still in flight; stop the tensor-parallel worker ranks."""
         with self._lock:
             for rid in list(self.core.requests):
                 self.abort(rid)
+            self.core.close()
             self._closed = True
 
     def __enter__(self) -> Engine:

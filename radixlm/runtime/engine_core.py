@@ -27,10 +27,15 @@ from radixlm.runtime.constrained.registry import check_grammar_backend
 from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.cuda_graph import graph_buckets
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.distributed import TPGroup, check_devices, check_tp_size, init_tp_group, tp_device
+from radixlm.runtime.distributed.launch import Leader, WorkerSet, cpu_threads, exit_with_parent
+from radixlm.runtime.distributed.step import StepChannel
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample_tokens, token_logprobs, with_logprobs
+from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.llama import LlamaModel
 from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model.source import ModelSource, resolve_model
 from radixlm.runtime.model_runner import ModelRunner
@@ -86,24 +91,33 @@ class EngineCore:
         from transformers import AutoTokenizer
 
         self.config = config
-        mc, cc, sc, gc = config.model, config.cache, config.scheduler, config.cuda_graph
+        mc, cc, sc = config.model, config.cache, config.scheduler
         self.source = source or resolve_model(mc.model, Path(mc.cache_dir), mc.tokenizer_path)
         arch = self.source.arch
-        self.device = torch.device(mc.device)
-        if self.device.type == "cuda":  # compiled kernels stay in radixlm's cache: a restart loads them
-            os.environ.setdefault("TRITON_CACHE_DIR", str(Path(mc.cache_dir) / "triton"))
-        dtype = getattr(torch, mc.dtype)
-        self.context_length = mc.context_length or min(arch.max_position_embeddings, DEFAULT_CONTEXT_CAP)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
-        self.model = build_model(arch, self.source.weights_dir, dtype, self.device, self.context_length, mc.seed)
         if cc.cache not in CACHES:
             raise ValueError(f"unknown cache {cc.cache!r}; choose one of {sorted(CACHES)}")
-        num_slots = cc.max_total_tokens or self._pool_slots(dtype)
-        max_graph_bs = min(gc.cuda_graph_max_bs or sc.max_running_requests, sc.max_running_requests)
-        self.runner = ModelRunner(
-            self.model, num_slots, sc.max_running_requests, self.context_length, config.attention_backend_name,
-            () if gc.disable_cuda_graph else graph_buckets(max_graph_bs),
-        )
+        check_grammar_backend(config.constraint.grammar_backend)  # fail at start, not at the first constrained request
+        self.context_length = context_length(config, arch.max_position_embeddings)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
+        tp_size = config.parallel.tp_size
+        self.workers: WorkerSet | None = None
+        if tp_size > 1:
+            check_parallel(config, arch)  # bad sizes fail here, before any process starts
+            self.workers = WorkerSet(__name__, config.flat(), tp_size)
+            if mc.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+                torch.set_num_threads(cpu_threads(tp_size))  # rank 0 takes its share like the workers
+        self.device = tp_device(mc.device, 0)
+        try:  # (what can fail once the workers run; they are stopped then)
+            group = None if self.workers is None else init_tp_group(
+                0, tp_size, self.workers.init_file, self.device, config.parallel.dist_timeout)
+            self.model, self.runner = build_runner(config, self.source, self.device, group)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.stop(grace_s=0)
+            raise
+        self.leader = None if group is None or self.workers is None else Leader(StepChannel(group), self.workers)
+        self.runner.leader = self.leader
+        num_slots = self.runner.pool.num_slots
         self.allocator = SlotAllocator(num_slots)
         self.cache = CACHES[cc.cache](self.allocator, cc.page_size)
         pin_cap = cc.max_pinned_tokens if cc.max_pinned_tokens is not None else num_slots // 2
@@ -111,7 +125,6 @@ class EngineCore:
         self.scheduler = Scheduler(sc, self.cache, self.allocator, self.context_length, self.sessions.unpin_lru)
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset(arch.eos_token_ids) | ({eos} if eos is not None else set())
-        check_grammar_backend(config.constraint.grammar_backend)  # fail at start, not at the first constrained request
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)
         jump_cap = config.constraint.jump_forward_max_running
         if jump_cap is None:
@@ -125,16 +138,20 @@ class EngineCore:
         self.ahead_steps = 0  # decode steps queued ahead of the host (the overlap schedule)
         self.steps = 0
 
-    def _pool_slots(self, dtype: torch.dtype) -> int:
-        """KV pool tokens from free memory; on CUDA, what the weights and a reserve for
-        activations and CUDA graphs leave."""
-        arch, cc, sc = self.source.arch, self.config.cache, self.config.scheduler
-        reserve = 0
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            tokens = max(sc.max_prefill_tokens, sc.chunked_prefill_size or self.context_length)
-            reserve = activation_reserve(arch, dtype, tokens + sc.max_running_requests, sc.max_running_requests)
-        return pool_slots(arch, dtype, _available_memory(self.device), cc.fraction_for(self.device.type), reserve)
+    def check_ranks(self) -> None:
+        """Raise RankFailure if a tensor-parallel worker rank has exited (cheap: a non-blocking wait)."""
+        if self.leader is not None:
+            self.leader.workers.check()
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the tensor-parallel worker ranks (nothing to do without tensor parallelism);
+        not `graceful`: kill them at once (the ranks may be out of step)."""
+        if self.leader is not None:
+            if graceful:
+                self.leader.stop()
+            else:
+                self.leader.workers.stop(grace_s=0)
+            self.leader = self.runner.leader = None
 
     def _grammar_service(self) -> GrammarService:
         return GrammarService(self.tokenizer, self.source.arch.vocab_size, sorted(self.eos_ids), self.config.constraint)
@@ -149,6 +166,8 @@ class EngineCore:
             "vocab_size": self.source.arch.vocab_size,
             "dtype": self.config.model.dtype,
             "device": str(self.device),
+            "tp_size": self.config.parallel.tp_size,
+            "tp_worker_pids": [] if self.workers is None else self.workers.pids,
             "max_total_tokens": self.allocator.num_slots,
             "max_running_requests": self.config.scheduler.max_running_requests,
             "eos_token_ids": sorted(self.eos_ids),
@@ -464,6 +483,81 @@ class EngineCore:
         self.cache.reset()
 
 
+def check_parallel(config: EngineConfig, arch: ModelArch | None = None) -> None:
+    """A one-line ValueError when --tp-size does not split the model's heads and MLP evenly, or
+    names more ranks than GPUs (`arch`: the model's, resolved from the config when None)."""
+    size, mc = config.parallel.tp_size, config.model
+    if size == 1:
+        return
+    if arch is None:
+        arch = resolve_model(mc.model, Path(mc.cache_dir), mc.tokenizer_path).arch
+    check_tp_size(arch, size)
+    check_devices(mc.device, size)
+
+
+def context_length(config: EngineConfig, model_max: int) -> int:
+    """The engine's context length: the configured one, else the model's capped at DEFAULT_CONTEXT_CAP."""
+    return config.model.context_length or min(model_max, DEFAULT_CONTEXT_CAP)
+
+
+def build_runner(config: EngineConfig, source: ModelSource, device: torch.device,
+                 group: TPGroup | None) -> tuple[LlamaModel, ModelRunner]:
+    """The model (this rank's shard with `group`) and its runner; every rank runs this, in step,
+    so the KV pool has the same number of slots on every rank (the smallest any can hold)."""
+    mc, sc, gc = config.model, config.scheduler, config.cuda_graph
+    if device.type == "cuda":  # compiled kernels stay in radixlm's cache: a restart loads them
+        os.environ.setdefault("TRITON_CACHE_DIR", str(Path(mc.cache_dir) / "triton"))
+    dtype = getattr(torch, mc.dtype)
+    ctx = context_length(config, source.arch.max_position_embeddings)
+    model = build_model(source.arch, source.weights_dir, dtype, device, ctx, mc.seed, group)
+    num_slots = config.cache.max_total_tokens or _pool_slots(config, model.shard, dtype, device, ctx)
+    if group is not None:
+        num_slots = group.min_host(num_slots)
+    max_graph_bs = min(gc.cuda_graph_max_bs or sc.max_running_requests, sc.max_running_requests)
+    runner = ModelRunner(model, num_slots, sc.max_running_requests, ctx, config.attention_backend_name,
+                         () if gc.disable_cuda_graph else graph_buckets(max_graph_bs))
+    return model, runner
+
+
+def _pool_slots(config: EngineConfig, shard: ModelArch, dtype: torch.dtype, device: torch.device, ctx: int) -> int:
+    """KV pool tokens from free memory; on CUDA, what the weights and a reserve for
+    activations and CUDA graphs leave. `shard`: this rank's share of the model."""
+    cc, sc = config.cache, config.scheduler
+    reserve = 0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        tokens = max(sc.max_prefill_tokens, sc.chunked_prefill_size or ctx)
+        reserve = activation_reserve(shard, dtype, tokens + sc.max_running_requests, sc.max_running_requests)
+    return pool_slots(shard, dtype, _available_memory(device), cc.fraction_for(device.type), reserve)
+
+
+def run_tp_worker(rank: int, size: int, init_file: str, config: EngineConfig) -> None:
+    """A worker rank (> 0): build this rank's shard and run every step rank 0 sends, until it stops."""
+    exit_with_parent()
+    mc = config.model
+    source = resolve_model(mc.model, Path(mc.cache_dir), mc.tokenizer_path)
+    device = tp_device(mc.device, rank)
+    group = init_tp_group(rank, size, init_file, device, config.parallel.dist_timeout)
+    _, runner = build_runner(config, source, device, group)
+    channel = StepChannel(group)
+    while (step := channel.receive()) is not None:
+        runner.forward(step.seqs, step.ids)
+    group.close()
+
+
+def _worker_main() -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="a tensor-parallel worker rank (started by the engine)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--init-file", required=True)
+    parser.add_argument("--config", required=True, help="EngineConfig.flat() as JSON")
+    ns = parser.parse_args()
+    run_tp_worker(ns.rank, ns.size, ns.init_file, EngineConfig.from_kwargs(**json.loads(ns.config)))
+
+
 def _seed(params: SamplingParams) -> int:
     """A sampled request's seed: its own, or one drawn from torch's default CPU generator (so
     `torch.manual_seed` makes unseeded runs repeatable)."""
@@ -476,3 +570,7 @@ def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+if __name__ == "__main__":
+    _worker_main()

@@ -9,6 +9,8 @@ import torch
 
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.cuda_graph import DecodeGraphs, GraphableAttention
+from radixlm.runtime.distributed.group import RankFailure
+from radixlm.runtime.distributed.launch import Leader
 from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS, AttentionMeta
 from radixlm.runtime.kernels.kv_pool import KVPool
 from radixlm.runtime.model.llama import LlamaModel
@@ -31,7 +33,7 @@ class ModelRunner:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
         self.model = model
-        self.arch = model.arch
+        self.arch = model.shard  # this rank's heads and KV heads under tensor parallelism
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         if attention_backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -41,6 +43,7 @@ class ModelRunner:
         # one row per running request, plus a scratch row for the padding rows of graph batches
         self.req_to_token = torch.zeros((max_requests + 1, max_context), dtype=torch.int64, device=self.device)
         self.attention = ATTENTION_BACKENDS[attention_backend](self.pool, self.arch.num_heads, self.arch.head_dim)
+        self.leader: Leader | None = None  # set on rank 0 of a tensor-parallel engine
         self.graphs: DecodeGraphs | None = None
         if graph_buckets and self.device.type == "cuda" and isinstance(self.attention, GraphableAttention):
             self.graphs = DecodeGraphs(model, self.attention, self.req_to_token, max_requests, graph_buckets)
@@ -48,7 +51,22 @@ class ModelRunner:
     def forward(self, seqs: list[SeqStep], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; return fp32 logits [sum(seq.num_logits), vocab] in sequence order.
         `ids`, an int64 device tensor of all the step's tokens in order, replaces the seqs'
-        token_ids (tokens sampled by the previous step, not yet on the host)."""
+        token_ids (tokens sampled by the previous step, not yet on the host). Under tensor
+        parallelism rank 0 sends the step to the other ranks first; every rank runs it."""
+        for s in seqs:
+            if s.cached_len + len(s.token_ids) > self.max_context:
+                raise ValueError(f"sequence of {s.cached_len + len(s.token_ids)} tokens exceeds the context length "
+                                 f"{self.max_context}")
+        if self.leader is None:
+            return self._forward(seqs, ids)
+        self.leader.send(seqs, ids)
+        try:
+            return self._forward(seqs, ids)
+        except Exception as e:  # the ranks may be out of step now: only a restart recovers
+            self.leader.workers.check()  # a dead rank is the likelier cause: name it
+            raise RankFailure(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
+
+    def _forward(self, seqs: list[SeqStep], ids: torch.Tensor | None) -> torch.Tensor:
         if self.graphs is not None and self._graph_decodable(seqs):
             return self.graphs.run([s.token_ids[0] for s in seqs], [s.cached_len for s in seqs],
                                    [s.slots[0] for s in seqs], [s.row for s in seqs],
@@ -61,8 +79,6 @@ class ModelRunner:
         for s in seqs:
             n = len(s.token_ids)
             end = s.cached_len + n
-            if end > self.max_context:
-                raise ValueError(f"sequence of {end} tokens exceeds the context length {self.max_context}")
             if s.prefix_slots is not None:
                 assert len(s.prefix_slots) == s.cached_len
                 if s.prefix_slots:

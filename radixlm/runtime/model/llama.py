@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.distributed.group import TPGroup
+from radixlm.runtime.distributed.layers import RowParallelLinear, VocabParallelEmbedding, gather_logits
+from radixlm.runtime.distributed.sharding import ShardPlan
 from radixlm.runtime.kernels.attention import AttentionBackend
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
@@ -57,13 +60,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def _out_linear(local_in: int, out: int, tp: TPGroup | None) -> nn.Linear:
+    """O and down: row-parallel (one all-reduce) under tensor parallelism."""
+    return nn.Linear(local_in, out, bias=False) if tp is None else RowParallelLinear(local_in, out, tp)
+
+
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int) -> None:
+    """`arch` is this rank's shard of the model (all of it without tensor parallelism)."""
+
+    def __init__(self, arch: ModelArch, layer: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.arch = arch
         self.layer = layer
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        self.o_proj = _out_linear(arch.q_size, arch.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> torch.Tensor:
         out: torch.Tensor = self.o_proj(self.attend(self.qkv_proj(x), rotary, backend))
@@ -79,10 +89,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.down_proj = _out_linear(arch.intermediate_size, arch.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -97,12 +107,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int) -> None:
+    def __init__(self, arch: ModelArch, layer: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, layer)
+        self.self_attn = Attention(arch, layer, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, tp)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryBatch, backend: AttentionBackend
@@ -125,21 +135,41 @@ class DecoderLayer(nn.Module):
 
         attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv = linear_few(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
-        linear_few(attn.attend(qkv, rotary, backend).contiguous(), attn.o_proj.weight, add_to=stream)
+        _add_rows(attn.o_proj, attn.attend(qkv, rotary, backend).contiguous(), stream)
         gate_up = linear_few(stream, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps)
-        linear_few(gate_up, mlp.down_proj.weight, silu_mul=True, add_to=stream)
+        _add_rows(mlp.down_proj, gate_up, stream, silu_mul=True)
+
+
+def _add_rows(layer: nn.Linear, x: torch.Tensor, stream: torch.Tensor, silu_mul: bool = False) -> None:
+    """stream += layer(x) with the few-row kernels; a row-parallel layer's partial sums are
+    all-reduced before the add (the kernel's fused add would add them per rank)."""
+    from radixlm.runtime.kernels.gemv import linear_few
+
+    if isinstance(layer, RowParallelLinear):
+        stream.add_(layer.group.all_reduce(linear_few(x, layer.weight, silu_mul=silu_mul)))
+    else:
+        linear_few(x, layer.weight, silu_mul=silu_mul, add_to=stream)
 
 
 class LlamaModel(nn.Module):
-    """Parameter names follow HF's, with q/k/v and gate/up fused (see loader.py)."""
+    """Parameter names follow HF's, with q/k/v and gate/up fused (see loader.py).
 
-    def __init__(self, arch: ModelArch) -> None:
+    With a tensor-parallel group `tp`, the model holds this rank's shard (`plan`; `shard` is the
+    shard's shape, `arch` the whole model's): heads, KV heads, MLP columns and vocabulary rows are
+    split Megatron-style and every rank returns the whole step's logits."""
+
+    def __init__(self, arch: ModelArch, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.tp = tp
+        self.plan = None if tp is None else ShardPlan.of(arch, tp.rank, tp.size)
+        self.shard = arch if self.plan is None else self.plan.local_shape(arch)
+        shard = self.shard
+        self.embed_tokens = (nn.Embedding(arch.vocab_size, arch.hidden_size) if self.plan is None or tp is None
+                             else VocabParallelEmbedding(self.plan, arch.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(shard, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, shard.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int) -> None:
@@ -173,7 +203,11 @@ class LlamaModel(nn.Module):
         if logit_rows is not None:
             h, residual = h[logit_rows], residual[logit_rows]
         h, _ = self.norm.add_forward(h, residual)
-        return linear(h, self.lm_head_weight).float()
+        return self._whole_vocab(linear(h, self.lm_head_weight).float())
+
+    def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary rows of the logits -> all of them."""
+        return logits if self.tp is None else gather_logits(self.tp, logits, self.arch.vocab_size)
 
     def _forward_rows(self, h: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend,
                       logit_rows: torch.Tensor | None) -> torch.Tensor:
@@ -186,4 +220,5 @@ class LlamaModel(nn.Module):
             h = h[logit_rows]
         if h.shape[0] == 0:
             return h.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
-        return linear_few(h.contiguous(), self.lm_head_weight, norm_weight=self.norm.weight, eps=self.norm.eps).float()
+        return self._whole_vocab(
+            linear_few(h.contiguous(), self.lm_head_weight, norm_weight=self.norm.weight, eps=self.norm.eps).float())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from radixlm.runtime.distributed.group import TPGroup
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.llama import LlamaModel
 
@@ -60,9 +61,11 @@ def _slices(arch: ModelArch, fused: str, part: int) -> tuple[int, int]:
 
 
 def load_weights(model: LlamaModel, model_dir: Path) -> None:
-    """Copy every tensor of the checkpoint into `model`, checking names and shapes."""
+    """Copy every tensor of the checkpoint into `model` (its rank's shard under tensor
+    parallelism), checking names and shapes."""
     arch = model.arch
     params = dict(model.named_parameters())
+    whole = params if model.plan is None else _whole_params(arch)
     filled: set[str] = set()
     for path, hf_name, tensor in _iter_tensors(_checkpoint_files(Path(model_dir))):
         if hf_name.endswith(_IGNORED_SUFFIXES):
@@ -72,20 +75,27 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
         stem, _, kind = _our_name(hf_name).rpartition(".")
         target = f"{stem}.{kind}"
         rows: tuple[int, int] | None = None
+        fused_part: int | None = None
         for hf_suffix, (ours, part) in _FUSED.items():
             if stem.endswith(hf_suffix):
                 target = f"{stem[: -len(hf_suffix)]}{ours}.{kind}"
-                rows = _slices(arch, ours, part)
+                rows, fused_part = _slices(arch, ours, part), part
                 break
         param = params.get(target)
         if param is None:
             raise ValueError(f"{path.name}: unexpected tensor {hf_name!r} for a {arch.family} model of this config")
-        dest = param.data if rows is None else param.data[rows[0] : rows[1]]
-        if tuple(dest.shape) != tuple(tensor.shape):
+        full = whole[target]
+        expected = full if rows is None else full[rows[0] : rows[1]]
+        if tuple(expected.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"{path.name}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                f"but config.json implies {tuple(dest.shape)}"
+                f"but config.json implies {tuple(expected.shape)}"
             )
+        if model.plan is not None:
+            tensor = model.plan.shard(target, tensor, fused_part)
+            if fused_part is not None:
+                rows = _slices(model.shard, target.rsplit(".", 1)[0], fused_part)
+        dest = param.data if rows is None else param.data[rows[0] : rows[1]]
         dest.copy_(tensor)
         filled.add(hf_name)
     missing = [n for n in expected_tensor_names(arch) if n not in filled]
@@ -110,6 +120,12 @@ def expected_tensor_names(arch: ModelArch) -> list[str]:
     return names
 
 
+def _whole_params(arch: ModelArch) -> dict[str, torch.nn.Parameter]:
+    """The parameters of the whole (unsharded) model, on the meta device (shapes only)."""
+    with torch.device("meta"):
+        return dict(LlamaModel(arch).named_parameters())
+
+
 def build_model(
     arch: ModelArch,
     model_dir: Path | None,
@@ -117,21 +133,30 @@ def build_model(
     device: torch.device | str,
     max_positions: int,
     seed: int = 0,
+    tp: TPGroup | None = None,
 ) -> LlamaModel:
-    """The model with weights from `model_dir`, or random weights (std 0.02) when it is None."""
+    """The model with weights from `model_dir`, or random weights (std 0.02) when it is None.
+    With `tp`, this rank's shard of it; dummy weights are then drawn whole, as without
+    tensor parallelism, and cut, so every tp_size runs the same model."""
     with torch.device("meta"):
-        model = LlamaModel(arch)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaModel(arch, tp)
+        whole = model if tp is None else LlamaModel(arch)
+    model = model.to(dtype).to_empty(device=device)  # (never whole in fp32: a 70B shard would not fit)
     if model_dir is None:
         gen = torch.Generator(device=device).manual_seed(seed)
+        params = dict(model.named_parameters())
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, meta in whole.named_parameters():
+                p = params[name]
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
                     p.zero_()
-                else:
+                elif model.plan is None:
                     p.normal_(0.0, 0.02, generator=gen)
+                else:
+                    full = torch.empty(meta.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+                    p.copy_(model.plan.shard(name, full))
     else:
         with torch.no_grad():
             load_weights(model, model_dir)

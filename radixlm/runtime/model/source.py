@@ -37,6 +37,9 @@ _LLAMA3_8B = dict(
 )
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3-8b": _LLAMA3_8B,
+    # ~141 GB in bf16: runs only split over GPUs (--tp-size 2 on two H200s; docs/distributed.md)
+    "llama-3-70b": dict(_LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8),
     "smollm2-135m": dict(  # the default model's architecture
         architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
@@ -48,6 +51,11 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         head_dim=64, max_position_embeddings=131072, tie_word_embeddings=True,
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
+    ),
+    "llama-tiny": dict(  # a few MB: 8 heads over 2 KV heads, for tensor-parallel tests (tp 1, 2, 4, 8)
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     ),
     "qwen2.5-0.5b": dict(
         architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,

@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.distributed import RankFailure
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.server.messages import (
@@ -74,10 +75,12 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> Non
     try:
         _serve(core, inbox, outbox)
     except Exception as e:
+        core.close(graceful=False)
         # Tell the server why before dying; it notices the exit itself (the process sentinel).
         outbox.send_pyobj(Crashed(f"{type(e).__name__}: {e}"))
         ctx.destroy(linger=CRASH_LINGER_MS)
         raise  # the traceback goes to stderr (the server's log) and the exit code is 1
+    core.close()
 
 
 def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any]) -> None:
@@ -88,6 +91,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any]) ->
     while True:
         if os.getppid() != parent:  # the server died without a Shutdown (SIGKILL): don't linger as an orphan
             return
+        core.check_ranks()  # a dead tensor-parallel rank ends this process, idle or not: the server restarts it
         timeout = 0 if core.has_work else PARENT_CHECK_MS
         core.sessions.expire()  # also while idle, so expired sessions stop pinning KV
         while poller.poll(timeout):
@@ -104,6 +108,8 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any]) ->
         if core.has_work:
             try:
                 outputs = core.step()
+            except RankFailure:
+                raise  # the ranks are out of step: the engine process exits and the server restarts it
             except Exception as e:  # noqa: BLE001 - a broken step fails its requests, not the engine
                 message = f"engine step failed: {type(e).__name__}: {e}"
                 for rid in list(core.requests):
