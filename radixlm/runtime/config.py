@@ -85,8 +85,9 @@ class SchedulerConfig:
     overlap_schedule: bool | None = None
     # Program-aware admission (docs/programs.md): requests of programs already running go before
     # those that start new programs, fork siblings are admitted together and a fork's prefix stays
-    # locked until its branches are admitted.
-    program_scheduling: bool = True
+    # locked until its branches are admitted. Off by default: on a loaded 2-core CPU it measured
+    # no better than off (docs/benchmarks.md, "Program-aware scheduling on vs off").
+    program_scheduling: bool = False
     # A request that starts a new program (or has none) waits for at most this many admissions of
     # running programs' requests preferred over it; then it goes first.
     program_fairness: int = 64

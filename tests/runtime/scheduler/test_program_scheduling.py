@@ -10,6 +10,12 @@ from sched_sim import Sim, reference_output
 from radixlm.runtime.scheduler import ProgramTag
 
 
+def psim(*args, **kwargs) -> Sim:
+    """A Sim with program scheduling on unless told otherwise (the flag's default is off)."""
+    kwargs.setdefault("program_scheduling", True)
+    return Sim(*args, **kwargs)
+
+
 def admission_order(sim: Sim) -> list[str]:
     """rids in the order they were first admitted (their first prefill chunk)."""
     seen: list[str] = []
@@ -36,7 +42,7 @@ def tag(program: str, group: str | None = None, hold: int = 0) -> ProgramTag:
 def test_a_running_programs_next_request_goes_before_a_new_program():
     orders = {}
     for on in (True, False):
-        sim = Sim(1000, policy="fcfs", max_running_requests=1, program_scheduling=on)
+        sim = psim(1000, policy="fcfs", max_running_requests=1, program_scheduling=on)
         sim.add("a1", [1, 2, 3], 2, program=tag("A"))
         sim.step()  # a1 admitted: program A runs
         sim.add("b1", [4, 5, 6], 2, program=tag("B"))  # a new program, arrived first
@@ -48,7 +54,7 @@ def test_a_running_programs_next_request_goes_before_a_new_program():
 
 
 def test_older_programs_go_first_and_fork_siblings_stay_together():
-    sim = Sim(1000, policy="fcfs", max_running_requests=2)
+    sim = psim(1000, policy="fcfs", max_running_requests=2)
     sim.add("p", [1, 2], 1, program=tag("P"))
     sim.add("q", [3, 4], 1, program=tag("Q"))
     sim.run()  # both started: P before Q
@@ -60,7 +66,7 @@ def test_older_programs_go_first_and_fork_siblings_stay_together():
 
 
 def test_requests_without_a_program_are_never_preferred_but_not_starved():
-    sim = Sim(1000, policy="fcfs", max_running_requests=1, program_fairness=2)
+    sim = psim(1000, policy="fcfs", max_running_requests=1, program_fairness=2)
     sim.add("a0", [1], 1, program=tag("A"))
     sim.step()
     sim.add("plain", [9, 9], 1)
@@ -88,7 +94,7 @@ def program_streams(draw):
 
 
 def run_stream(bound: int, rows: int, reqs, on: bool) -> Sim:
-    sim = Sim(4000, policy="fcfs", max_running_requests=rows, program_fairness=bound, program_scheduling=on)
+    sim = psim(4000, policy="fcfs", max_running_requests=rows, program_fairness=bound, program_scheduling=on)
 
     def before_step(sim: Sim) -> None:
         idle = not sim.sched.has_work
@@ -132,7 +138,7 @@ def fork_prefix(sim: Sim, branches: int) -> None:
 
 def test_a_fork_prefix_survives_eviction_until_its_last_branch_is_admitted():
     for on in (True, False):
-        sim = Sim(200, program_scheduling=on, max_running_requests=1)
+        sim = psim(200, program_scheduling=on, max_running_requests=1)
         fork_prefix(sim, 3)
         assert sim.sched.held_tokens == (20 if on else 0)
         for i in range(3):
@@ -147,7 +153,7 @@ def test_a_fork_prefix_survives_eviction_until_its_last_branch_is_admitted():
 
 
 def test_ending_the_program_releases_what_it_holds():
-    sim = Sim(200)
+    sim = psim(200)
     fork_prefix(sim, 3)
     sim.add("b0", PREFIX + [30], 1, program=tag("P", "root/f0"))
     sim.run()
@@ -158,7 +164,7 @@ def test_ending_the_program_releases_what_it_holds():
 
 
 def test_a_held_prefix_is_given_up_before_work_stalls():
-    sim = Sim(40, max_running_requests=4)
+    sim = psim(40, max_running_requests=4)
     fork_prefix(sim, 2)
     # a request of another program that fits only once the held prefix's 20 slots are evicted
     sim.add("other", [45] * 30, 5, program=tag("Q"))
@@ -170,7 +176,7 @@ def test_a_held_prefix_is_given_up_before_work_stalls():
 
 
 def test_programs_nobody_ends_are_forgotten_oldest_first():
-    sim = Sim(4000, max_running_requests=1)
+    sim = psim(4000, max_running_requests=1)
     for i in range(6):
         sim.add(f"r{i}", [i + 1], 1, program=tag(f"P{i}"))
         sim.run()

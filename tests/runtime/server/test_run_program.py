@@ -23,7 +23,7 @@ from radixlm.lang.backends.runtime_endpoint import BackendError, RuntimeEndpoint
 ROOT = Path(__file__).resolve().parents[3]
 OPTIONS = ["--dtype=float32", "--max-total-tokens=8000", "--context-length=2048", "--max-program-gens=40",
            "--max-program-fork-depth=3", "--max-program-fork-width=4", "--max-program-text-bytes=20000",
-           "--max-program-nodes=400"]
+           "--max-program-nodes=400", "--program-scheduling=on"]
 
 
 def load(path: Path, name: str) -> Any:
@@ -259,8 +259,8 @@ def tree(s, i: int):
 
 
 def test_greedy_results_are_the_same_with_program_scheduling_on_and_off(server):
-    """8 concurrent programs of forks within forks, run on this server (program scheduling on, the
-    default) and on one started with it off: the same variables."""
+    """8 concurrent programs of forks within forks, run on this server (program scheduling on) and
+    on one started with it off: the same variables."""
     off = start_server(*OPTIONS, "--program-scheduling=off")
     try:
         args = [{"i": i} for i in range(8)]
