@@ -9,22 +9,35 @@ programs (run_batch), reporting wall time per program (1) and per batch (32).
 
     python benchmarks/run_program.py [--quick] [--url URL] [--out benchmarks/results/run_program.json]
 
-Without --url it starts `radixlm serve` on 127.0.0.1 (bfloat16, default model) and stops it after.
+Without --url it starts `radixlm serve` on 127.0.0.1 (float32, default model) and stops it after.
+
+    python benchmarks/run_program.py --scheduling [--programs 64] [--rounds 2]
+        [--out benchmarks/results/program_scheduling.json]
+
+Program-aware scheduling on vs off: two fresh servers side by side (`--program-scheduling on`
+and `off`), each sent the same batch at the same moment, for --rounds; the three workloads mixed
+(program i is workload i % 3), all --programs sent at once as /run_program requests;
+p50/p90/p99/max of each program's latency (from its request to its response) and the wall time
+of the whole batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 import radixlm as rl
 from radixlm.lang.backends.runtime_endpoint import RuntimeEndpoint
@@ -112,6 +125,71 @@ def measure(func: Any, n: int, backend: Any, repeats: int) -> float:
     return best
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation between the sorted values."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def program_latencies(url: str, graphs: list[str]) -> tuple[list[float], float]:
+    """Send every graph at once to /run_program (greedy); each one's latency and the batch's wall time."""
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        async def one(graph: str) -> float:
+            t0 = time.perf_counter()
+            body = {"graph": json.loads(graph), "sampling_defaults": {"temperature": 0}}
+            async with http.post(url + "/run_program", json=body) as resp:
+                out = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"program failed: {out}")
+            return time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        lat = await asyncio.gather(*(one(g) for g in graphs))
+        return list(lat), time.perf_counter() - t0
+
+
+async def side_by_side(urls: list[str], graphs: list[str]) -> list[tuple[list[float], float]]:
+    """The same batch sent to each server at the same moment."""
+    return list(await asyncio.gather(*(program_latencies(url, graphs) for url in urls)))
+
+
+def scheduling(args: argparse.Namespace) -> dict[str, Any]:
+    """p50/p99 program latency at --programs concurrent programs, program scheduling on vs off:
+    two servers side by side, each sent the same batch at the same moment (so load from elsewhere
+    hits both alike)."""
+    funcs = list(WORKLOADS.values())
+    graphs = [funcs[i % 3].trace(i).to_json() for i in range(args.programs)]
+    runs: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    for _ in range(args.rounds):
+        servers = {mode: start_server(["--dtype", args.dtype, "--program-scheduling", mode,
+                                       *args.server_args.split()]) for mode in ("on", "off")}
+        try:
+            urls = [url for _, url in servers.values()]
+            asyncio.run(side_by_side(urls, graphs[:3]))  # warm-up: one program of each kind
+            for url in urls:
+                flush(url)
+            results = asyncio.run(side_by_side(urls, graphs))
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(60)
+        for mode, (lat, wall) in zip(servers, results):
+            row = {"p50": percentile(lat, 0.5), "p90": percentile(lat, 0.9), "p99": percentile(lat, 0.99),
+                   "max": max(lat), "mean": statistics.mean(lat), "wall": wall}
+            runs[mode].append(row)
+            print(f"program scheduling {mode:3s}: {args.programs} programs  p50 {row['p50']:7.2f} s  "
+                  f"p90 {row['p90']:7.2f} s  p99 {row['p99']:7.2f} s  max {row['max']:7.2f} s  "
+                  f"batch {wall:7.2f} s", flush=True)
+    best = {mode: {k: min(r[k] for r in rows) for k in rows[0]} for mode, rows in runs.items()}
+    ratio = {k: best["off"][k] / best["on"][k] for k in best["on"]}
+    print("off / on (best of rounds): " + "  ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
+    return {"runs": runs, "best": best, "off_over_on": ratio}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", help="a running radixlm server (default: start one)")
@@ -120,12 +198,29 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="the started server's dtype (float32 is fastest on CPU)")
     ap.add_argument("--only", help="run only the workloads whose name contains this text")
     ap.add_argument("--sizes", help="comma-separated numbers of concurrent programs (default 1,32; quick 1,8)")
-    ap.add_argument("--out", default="benchmarks/results/run_program.json")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/run_program.json "
+                                                "(--scheduling: program_scheduling.json)")
+    ap.add_argument("--server-args", default="", help="more flags for the started servers, e.g. "
+                                                       "'--model dummy:smollm2-135m --device cuda'")
+    ap.add_argument("--scheduling", action="store_true", help="program-aware scheduling on vs off")
+    ap.add_argument("--programs", type=int, default=64, help="--scheduling: concurrent programs")
+    ap.add_argument("--rounds", type=int, default=2, help="--scheduling: on/off pairs (fresh servers)")
     args = ap.parse_args()
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpu": platform.processor(),
+            "cores": os.cpu_count(), "load_average": os.getloadavg(), "model": f"SmolLM2-135M-Instruct {args.dtype}",
+            "server_args": args.server_args,
+            "output_tokens_per_gen": TOKENS, "command": " ".join(sys.argv)}
+    if args.scheduling:
+        result = scheduling(args)
+        meta["load_average_after"] = os.getloadavg()
+        out = Path(args.out or "benchmarks/results/program_scheduling.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "programs": args.programs, **result}, indent=2))
+        return
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_server(["--dtype", args.dtype])
+        proc, url = start_server(["--dtype", args.dtype, *args.server_args.split()])
     try:
         ways = {"client-driven": RuntimeEndpoint(url, programs="client"),
                 "/run_program": RuntimeEndpoint(url, programs="server")}
@@ -148,11 +243,11 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpu": platform.processor(),
-            "cores": os.cpu_count(), "quick": args.quick, "model": f"SmolLM2-135M-Instruct {args.dtype}",
-            "output_tokens_per_gen": TOKENS, "command": " ".join(sys.argv)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    meta["quick"] = args.quick
+    meta["load_average_after"] = os.getloadavg()
+    out = Path(args.out or "benchmarks/results/run_program.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

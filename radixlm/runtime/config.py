@@ -83,9 +83,17 @@ class SchedulerConfig:
     # Greedy decode steps are queued one step ahead of the host's work on the last step's tokens
     # (detokenizing, stop checks), so the device never waits for it; None: on with CUDA only.
     overlap_schedule: bool | None = None
+    # Program-aware admission (docs/programs.md): requests of programs already running go before
+    # those that start new programs, fork siblings are admitted together and a fork's prefix stays
+    # locked until its branches are admitted. Off by default: on a loaded 2-core CPU it measured
+    # no better than off (docs/benchmarks.md, "Program-aware scheduling on vs off").
+    program_scheduling: bool = False
+    # A request that starts a new program (or has none) waits for at most this many admissions of
+    # running programs' requests preferred over it; then it goes first.
+    program_fairness: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_running_requests", "max_prefill_tokens", "lpm_max_queue"):
+        for name in ("max_running_requests", "max_prefill_tokens", "lpm_max_queue", "program_fairness"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:

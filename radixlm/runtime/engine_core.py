@@ -226,6 +226,7 @@ class EngineCore:
             generator=None if params.is_greedy else make_generator(_seed(params)),
             return_logprob=sub.return_logprob, top_logprobs_num=sub.top_logprobs_num,
             jump_forward=params.jump_forward and self.config.constraint.jump_forward,
+            program=sub.program,
         )
         self.scheduler.validate(req)
         if params.constraint is not None:
@@ -246,6 +247,10 @@ class EngineCore:
         else:
             self.scheduler.finish(req, "abort")
         return self._end(self.output.finish(req))
+
+    def end_program(self, program_id: str) -> None:
+        """A program's last request is done: the scheduler forgets it and releases its fork prefixes."""
+        self.scheduler.end_program(program_id)
 
     @property
     def has_work(self) -> bool:
@@ -458,15 +463,17 @@ class EngineCore:
         if free + cached + held != total:
             errors.append(f"KV slots leaked: free {free} + cached {cached} + held by requests {held} != total {total}")
         idle = not self.has_work and not self.requests
-        pinned = self.sessions.pinned_tokens
-        if idle and cache.protected_size() > pinned:
-            errors.append(f"{cache.protected_size()} cached tokens locked while idle, sessions pin only {pinned}")
+        pinned, held = self.sessions.pinned_tokens, self.scheduler.held_tokens
+        if idle and cache.protected_size() > pinned + held:
+            errors.append(f"{cache.protected_size()} cached tokens locked while idle, sessions pin only {pinned} "
+                          f"and programs' fork prefixes hold {held}")
         return {
             "ok": not errors, "errors": errors, "idle": idle,
             "running_requests": len(self.scheduler.running), "waiting_requests": len(self.scheduler.waiting),
             "kv_slots_total": total, "kv_slots_free": free, "kv_slots_held_by_requests": held,
             "cache_tokens": cached, "cache_evictable_tokens": cache.evictable_size(),
             "cache_protected_tokens": cache.protected_size(), "session_pinned_tokens": pinned,
+            "program_held_tokens": held,
         }
 
     def check_idle_integrity(self) -> None:

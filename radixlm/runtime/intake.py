@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler.request import ProgramTag
 from radixlm.runtime.sessions import SessionParams
 
 SESSION_TURN_ERROR = "a session turn is one prompt with n=1; send the others as separate turns"
@@ -29,6 +30,7 @@ class Submission:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     session: SessionParams | None = None
+    program: ProgramTag | None = None  # the program it belongs to (program-aware scheduling)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class PromptRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    program: ProgramTag | None = None
 
 
 def submissions(prompts: Sequence[PromptRequest], session: SessionParams | None = None) -> list[list[Submission]]:
@@ -57,11 +60,11 @@ def _copies(p: PromptRequest, session: SessionParams | None) -> list[Submission]
     n = p.params.n
     if n == 1:
         return [Submission(p.rid, p.prompt_ids, p.params, p.return_logprob, p.logprob_start_len,
-                           p.top_logprobs_num, session)]
+                           p.top_logprobs_num, session, p.program)]
     out = []
     for i in range(n):
         seed = None if p.params.seed is None else p.params.seed + i
         params = dataclasses.replace(p.params, n=1, seed=seed)
         out.append(Submission(f"{p.rid}-{i}", p.prompt_ids, params, p.return_logprob, p.logprob_start_len,
-                              p.top_logprobs_num))
+                              p.top_logprobs_num, program=p.program))
     return out

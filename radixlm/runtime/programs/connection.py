@@ -87,6 +87,13 @@ class Connection(ABC):
         """For each prompt (text, or tokens as returned here), (logprob, token) of its tokens from position
         ``start`` on; the logprob of position 0 is None. One batched call sharing cached prefixes."""
 
+    def fork(self, group: str, branches: int) -> tuple[Connection, list[Connection]]:
+        """The connections of a fork named ``group`` (unique in the run): one for the prefill of its
+        prefix, one per branch. A runtime that schedules programs tags their requests (the
+        prefix's KV is kept for the branches, whose first requests are admitted together); by
+        default they are all this connection."""
+        return self, [self] * branches
+
 
 # -- the native protocol's shapes, shared by the HTTP backend and the server's own connection --
 def prefill_body(text: str) -> dict[str, Any]:

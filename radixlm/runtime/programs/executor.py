@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -239,10 +240,12 @@ async def run_sequence(core: StateCore, nodes: Sequence[Any], ctx: RunContext) -
     try:
         for node in nodes:
             if isinstance(node, ForkNode):
+                prefix_conn, conns = ctx.conn.fork(f"{core.path}/f{node.id}", len(node.branches))
                 if core.text:  # one prefill of the parent, then every branch reads it from the cache
-                    await ctx.conn.prefill(core.text)
+                    await prefix_conn.prefill(core.text)
                 branches = [core.branch(f"f{node.id}.{i}") for i in range(len(node.branches))]
-                tasks = [asyncio.create_task(run_branch(b, seq, ctx)) for b, seq in zip(branches, node.branches)]
+                tasks = [asyncio.create_task(run_branch(b, seq, dataclasses.replace(ctx, conn=c)))
+                         for b, seq, c in zip(branches, node.branches, conns)]
                 forks[node.id] = (branches, tasks, set(core.variables), len(core.text))
             elif isinstance(node, JoinNode):
                 branches, tasks, known, base = forks.pop(node.fork)

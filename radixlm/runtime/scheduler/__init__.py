@@ -1,7 +1,7 @@
 """Continuous-batching scheduler and its queue policies (no torch)."""
 
 from radixlm.runtime.scheduler.policy import POLICIES
-from radixlm.runtime.scheduler.request import Request, Status
+from radixlm.runtime.scheduler.request import ProgramTag, Request, Status
 from radixlm.runtime.scheduler.scheduler import Scheduled, Scheduler
 
-__all__ = ["POLICIES", "Request", "Scheduled", "Scheduler", "Status"]
+__all__ = ["POLICIES", "ProgramTag", "Request", "Scheduled", "Scheduler", "Status"]

@@ -10,6 +10,34 @@ from dataclasses import dataclass, field
 
 from radixlm.runtime.sampling_params import SamplingParams
 
+# Longest program id and fork-group name a request may carry.
+MAX_PROGRAM_ID = 256
+MAX_PROGRAM_GROUP = 1024
+MAX_PROGRAM_HOLD = 4096
+
+
+@dataclass(frozen=True)
+class ProgramTag:
+    """Where a request sits in a program (a /run_program graph, or a client that names its program).
+
+    ``group`` names a fork: each branch's first request carries it, so siblings are admitted
+    together. The fork's prefix prefill carries ``hold`` = its number of branches: its KV stays
+    locked in the cache until that many branch requests were admitted (or the program ended)."""
+
+    id: str
+    group: str | None = None
+    hold: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not 0 < len(self.id) <= MAX_PROGRAM_ID:
+            raise ValueError(f"program id must be a string of 1 to {MAX_PROGRAM_ID} characters")
+        if self.group is not None and (not isinstance(self.group, str) or len(self.group) > MAX_PROGRAM_GROUP):
+            raise ValueError(f"program group must be a string of at most {MAX_PROGRAM_GROUP} characters")
+        if isinstance(self.hold, bool) or not isinstance(self.hold, int) or not 0 <= self.hold <= MAX_PROGRAM_HOLD:
+            raise ValueError(f"program hold must be an integer in [0, {MAX_PROGRAM_HOLD}]")
+        if self.hold and self.group is None:
+            raise ValueError("program hold needs a group: the fork whose branches it waits for")
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -40,6 +68,8 @@ class Request:
     prefix_hint: int = 0
     retractions: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    program: ProgramTag | None = None
+    passed_over: int = 0  # admissions of running programs' requests preferred over this one while it waited
 
     @property
     def fill_ids(self) -> list[int]:

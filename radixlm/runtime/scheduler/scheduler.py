@@ -6,12 +6,19 @@ Admission is by KV budget; when decode runs out of slots, the cache is evicted f
 idle KV held outside requests (session pins) is reclaimed, and only then the request that loses
 least is retracted (its KV goes into the cache, it waits again and resumes with the same
 output). Plain ints and lists only: no torch here.
+
+Program-aware admission (config.program_scheduling): requests carry the program they belong to
+(`ProgramTag`). Requests of programs already started go before those that start new programs,
+oldest program first, within a fairness bound (`program_fairness`); a fork's siblings are
+admitted back to back; a fork's prefix prefill keeps its KV locked until its branches are
+admitted, so it is computed once even when the cache is under pressure.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.config import SchedulerConfig
@@ -22,6 +29,9 @@ from radixlm.runtime.scheduler.request import Request, Status
 # A waiting request whose next DEDUP_MIN uncached tokens equal those of a request being
 # prefilled right now waits one step, then reads them from the cache instead of recomputing.
 DEDUP_MIN = 16
+# Programs remembered as started when nobody ends them (a client naming its programs): the oldest
+# are forgotten past this many per running-request row.
+PROGRAMS_PER_ROW = 4
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,21 @@ class Scheduled:
     first_logit_pos: int  # absolute position of the first logit row returned
     samples: bool  # the last logit row picks the next output token
     prefill: bool  # prompt tokens (a chunk, or a resumed request's context), not one decode token
+
+
+@dataclass
+class _Hold:
+    """A fork's prefix, locked in the cache until ``remaining`` branch requests were admitted."""
+
+    node: object
+    tokens: int
+    remaining: int
+
+
+@dataclass
+class _Program:
+    started: int  # admission order of its first request
+    holds: dict[str, _Hold] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -61,6 +86,8 @@ class Scheduler:
         self._arrivals = 0
         self.num_retractions = 0
         self.new_token_ratio = config.init_new_token_ratio
+        self.programs: OrderedDict[str, _Program] = OrderedDict()  # started programs, oldest first
+        self._programs_started = 0
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -141,10 +168,19 @@ class Scheduler:
     def schedule(self) -> list[Scheduled]:
         """Pick this step's work and allocate KV slots for it."""
         out = self._schedule()
-        # KV held for later (session pins) never starves live requests: reclaim it until work fits
-        while not out and self.has_work and self.reclaim is not None and self.reclaim():
+        # KV held for later (fork prefixes, session pins) never starves live requests: reclaim it until work fits
+        while not out and self.has_work and self._reclaim():
             out = self._schedule()
         return out
+
+    def _reclaim(self) -> bool:
+        """Release one holder of locked KV that no running request needs: the oldest fork-prefix
+        hold, else a session pin (the engine's hook); False when none is left."""
+        for prog in self.programs.values():
+            for group in prog.holds:
+                self.cache.unlock(prog.holds.pop(group).node)
+                return True
+        return self.reclaim is not None and self.reclaim()
 
     def _schedule(self) -> list[Scheduled]:
         c = self.config
@@ -175,8 +211,71 @@ class Scheduler:
                 continue
             if req.remaining_new_tokens() == 0:  # max_new_tokens=0: prefill only, to warm the cache
                 self.finish(req, "length")
+                self._hold_prefix(req)
             elif self.cache.shares_prefixes:
                 self._cache_prefix(req)
+
+    # -- programs ------------------------------------------------------------------------
+    def end_program(self, program_id: str) -> None:
+        """The program finished (or failed): forget it and release the fork prefixes it holds."""
+        prog = self.programs.pop(program_id, None)
+        if prog is not None:
+            for hold in prog.holds.values():
+                self.cache.unlock(hold.node)
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens of fork prefixes held for branches not yet admitted (overlaps counted twice)."""
+        return sum(h.tokens for p in self.programs.values() for h in p.holds.values())
+
+    def _hold_prefix(self, req: Request) -> None:
+        """Lock a finished fork-prefix prefill's KV until its branches are admitted."""
+        tag = req.program
+        if tag is None or not tag.hold or tag.group is None or not self.config.program_scheduling:
+            return
+        if not self.cache.shares_prefixes:
+            return
+        prog = self._started(tag.id)
+        match = self.cache.match_prefix(req.prompt_ids)
+        if not match.slots:
+            return
+        old = prog.holds.pop(tag.group, None)
+        if old is not None:
+            self.cache.unlock(old.node)
+        self.cache.lock(match.node)
+        prog.holds[tag.group] = _Hold(match.node, len(match.slots), tag.hold)
+
+    def _started(self, program_id: str) -> _Program:
+        prog = self.programs.get(program_id)
+        if prog is None:
+            prog = self.programs[program_id] = _Program(self._programs_started)
+            self._programs_started += 1
+            while len(self.programs) > PROGRAMS_PER_ROW * self.config.max_running_requests:
+                self.end_program(next(iter(self.programs)))
+        return prog
+
+    def _admitted(self, req: Request) -> None:
+        """Bookkeeping of a program whose request was just admitted: it has started; a branch's
+        first request counts down its fork's hold."""
+        tag = req.program
+        if tag is None or not self.config.program_scheduling:
+            return
+        prog = self._started(tag.id)
+        if tag.group is None or tag.hold:
+            return
+        hold = prog.holds.get(tag.group)
+        if hold is not None:
+            hold.remaining -= 1
+            if hold.remaining <= 0:
+                del prog.holds[tag.group]
+                self.cache.unlock(hold.node)
+
+    def _preferred(self, req: Request) -> bool:
+        return req.program is not None and req.program.id in self.programs
+
+    def _program_of(self, req: Request) -> _Program:
+        assert req.program is not None
+        return self.programs[req.program.id]
 
     # -- internals -----------------------------------------------------------------------
     def _step(self, req: Request, n: int, prefill: bool) -> Scheduled:
@@ -212,7 +311,7 @@ class Scheduler:
                 for req, slot in zip(decoding, slots):
                     req.slots.append(slot)
                 return decoding
-            if self.reclaim is not None and self.reclaim():  # idle pins go before any running request
+            if self._reclaim():  # idle holds and pins go before any running request
                 continue
             if len(self.running) == 1:
                 # alone and still out of memory: the request cannot grow any further
@@ -277,7 +376,35 @@ class Scheduler:
             policy = "fcfs"
         if policy != "fcfs":
             self._refresh_matches()
-        return POLICIES[policy](self.waiting)
+        order = POLICIES[policy](self.waiting)
+        if not self.config.program_scheduling:
+            return order
+        return self._program_order(order)
+
+    def _program_order(self, order: list[Request]) -> list[Request]:
+        """``order`` regrouped: requests past the fairness bound first (in the policy's order), then
+        those of started programs (oldest program first, each fork's siblings together), then the
+        rest in the policy's order."""
+        pos = {id(r): i for i, r in enumerate(order)}
+        group_at: dict[tuple[str, str | None], int] = {}  # where each fork group first appears
+        for r in order:
+            if r.program is not None:
+                group_at.setdefault((r.program.id, r.program.group), pos[id(r)])
+
+        def program_rank(r: Request) -> tuple[int, int, int]:
+            assert r.program is not None
+            return self._program_of(r).started, group_at[(r.program.id, r.program.group)], pos[id(r)]
+
+        bound = self.config.program_fairness
+        urgent = [r for r in order if r.passed_over >= bound]
+        preferred = sorted((r for r in order if r.passed_over < bound and self._preferred(r)), key=program_rank)
+        rest = [r for r in order if r.passed_over < bound and not self._preferred(r)]
+        return urgent + preferred + rest
+
+    def _jumps(self, req: Request) -> bool:
+        """req goes ahead of the policy's order because its program runs (and it is not past the bound)."""
+        return self.config.program_scheduling and req.passed_over < self.config.program_fairness \
+            and self._preferred(req)
 
     def _expected_need(self, req: Request, cached: int) -> int:
         """Slots req is expected to still take: its uncomputed prompt plus a share of its output."""
@@ -288,9 +415,17 @@ class Scheduler:
         in_flight = [r for r in self.running if len(r.slots) < r.fill_len or not r.output_ids]
         reserved = sum(self._expected_need(r, 0) for r in self.running)
         headroom = self.allocator.num_free + self.cache.evictable_size() - reserved
-        for req in self._order():
+        order = self._order()
+        # how many requests may still go ahead because their program runs: each such admission
+        # counts against every request left waiting, none of which may pass program_fairness
+        allowance = min((self.config.program_fairness - r.passed_over for r in order), default=0)
+        jumped = 0
+        for req in order:
             if budget <= 0 or not self.free_rows:
                 break
+            jumps = self._jumps(req)
+            if jumps and allowance <= 0:
+                continue
             limit = min(req.fill_len - 1, req.first_logit_pos())
             match = self.cache.match_prefix(req.fill_ids[:limit])
             cached = len(match.slots)
@@ -326,6 +461,12 @@ class Scheduler:
             budget -= len(s.seq.token_ids)
             out.append(s)
             in_flight.append(req)
+            self._admitted(req)
+            if jumps:
+                allowance -= 1
+                jumped += 1
+        for r in self.waiting:
+            r.passed_over += jumped
         return out
 
     @staticmethod

@@ -21,6 +21,7 @@ from radixlm.runtime.server.engine_process import run_engine_process
 from radixlm.runtime.server.messages import (
     AbortRequest,
     Crashed,
+    EndProgram,
     Query,
     Ready,
     Reply,
@@ -132,6 +133,10 @@ class EngineClient:
     async def abort(self, rid: str) -> None:
         if not self.dead:
             await self._to_engine.send_pyobj(AbortRequest(rid))
+
+    async def end_program(self, program_id: str) -> None:
+        if not self.dead:
+            await self._to_engine.send_pyobj(EndProgram(program_id))
 
     async def query(self, kind: str, timeout: float = 30.0, args: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.dead:

@@ -21,6 +21,7 @@ from radixlm.runtime.intake import Submission
 from radixlm.runtime.server.messages import (
     AbortRequest,
     Crashed,
+    EndProgram,
     Query,
     Ready,
     Reply,
@@ -46,6 +47,8 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "cache_evictable_tokens": cache.evictable_size(),
         "cache_protected_tokens": cache.protected_size(),
         "retractions": sched.num_retractions,
+        "programs_scheduled": len(sched.programs),
+        "program_held_tokens": sched.held_tokens,
         "steps": core.steps,
         "prompt_tokens_total": core.prompt_tokens_total,
         "cached_tokens_total": core.cached_tokens_total,
@@ -131,6 +134,8 @@ def _handle(core: EngineCore, msg: Any, outbox: zmq.Socket[Any]) -> None:
         except ValueError as e:
             outbox.send_pyobj(RequestFailed(msg.rid, str(e), bad_input=True,
                                             not_found=isinstance(e, SessionNotFoundError)))
+    elif isinstance(msg, EndProgram):
+        core.end_program(msg.program_id)
     elif isinstance(msg, AbortRequest):
         out = core.abort(msg.rid)
         if out is not None:

@@ -18,6 +18,13 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class EndProgram:
+    """A program's last request is done: release what the scheduler keeps for it."""
+
+    program_id: str
+
+
+@dataclass(frozen=True)
 class Query:
     """A question with one answer (`Reply` with the same token): 'stats', 'flush_cache',
     'check' (EngineCore.integrity_report), 'open_session' or 'close_session' (those two with

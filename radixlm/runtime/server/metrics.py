@@ -11,6 +11,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 _HIT_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+_PROGRAM_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -64,6 +65,19 @@ class Metrics:
         self.session_hit = Histogram("radixlm_session_turn_hit_ratio",
                                      "Per session turn: cached tokens / history tokens (turns with history).",
                                      buckets=_HIT_BUCKETS, registry=r)
+
+        self.programs_running = Gauge("radixlm_programs_running", "POST /run_program programs in flight.",
+                                      registry=r)
+        self.programs_finished = Counter("radixlm_programs_finished",
+                                         "POST /run_program programs that ended, by outcome: ok, error (a node "
+                                         "failed) or abort (the client left).", ["outcome"], registry=r)
+        self.program_latency = Histogram("radixlm_program_latency_seconds",
+                                         "Time from a /run_program request to its program's end (ok or error).",
+                                         buckets=_PROGRAM_BUCKETS, registry=r)
+        self.program_round_trips_saved = Counter(
+            "radixlm_program_round_trips_saved",
+            "Engine requests that programs sent in-process (gens, selects' scoring, fork prefills): HTTP round "
+            "trips a client-driven program would have made.", registry=r)
 
     def observe_finished(self, meta: Mapping[str, Any], e2e_seconds: float) -> None:
         self.e2e.observe(e2e_seconds)

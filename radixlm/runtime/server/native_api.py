@@ -15,6 +15,7 @@ from aiohttp import web
 
 from radixlm.runtime.intake import PromptRequest, Submission
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler.request import ProgramTag
 from radixlm.runtime.server.context import CONTEXT, ServerContext
 from radixlm.runtime.server.dispatcher import Event, Job, check_job_count, expand_jobs, next_event
 from radixlm.runtime.server.errors import ApiError
@@ -27,7 +28,8 @@ from radixlm.runtime.sessions import SessionError, SessionParams
 log = logging.getLogger("radixlm.server")
 
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream", "session_params", "plain_text_spans")
+                   "top_logprobs_num", "return_text_in_logprobs", "stream", "session_params", "plain_text_spans",
+                   "program")
 # SGLang's GenerateReqInput fields for features this server lacks: accepted only when empty (null,
 # false, 0, [], {}, ""), so its clients work unchanged; set, they are a 400 naming the field.
 GENERATE_UNSUPPORTED = (
@@ -115,6 +117,7 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max
     start = _per_prompt(body, "logprob_start_len", b)
     top = _per_prompt(body, "top_logprobs_num", b)
     rids = _rids(body, b)
+    program = parse_program_tag(body.get("program"))
     specs: list[PromptRequest] = []
     for i, ids in enumerate(prompts):
         try:
@@ -128,6 +131,7 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max
             return_logprob=get_bool({"return_logprob": logprob[i]}, "return_logprob"),
             logprob_start_len=get_int({"logprob_start_len": start[i]}, "logprob_start_len", -1, lo=-1),
             top_logprobs_num=get_int({"top_logprobs_num": top[i]}, "top_logprobs_num", 0, lo=0, hi=max_top),
+            program=program,
         ))
     session = _session_params(body)
     if session is None:  # a session turn's prompt grows by its history: the engine checks it
@@ -175,6 +179,22 @@ def _prompts(body: dict[str, Any], tok: ServerTokenizer) -> tuple[list[list[int]
             tok.check_prompt(x, f"input_ids[{i}]")
         return [list(x) for x in ids], False
     raise ApiError(400, "input_ids must be a list of integer token ids, or a list of such lists", param="input_ids")
+
+
+PROGRAM_TAG_FIELDS = ("id", "group", "hold")
+
+
+def parse_program_tag(v: Any) -> ProgramTag | None:
+    """radixlm's ``program`` field {id, group, hold}: which program the request belongs to; null: none."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) - set(PROGRAM_TAG_FIELDS):
+        raise ApiError(400, f"program must be an object with the fields {', '.join(PROGRAM_TAG_FIELDS)} "
+                            "(id required)", param="program")
+    try:
+        return ProgramTag(v.get("id", ""), v.get("group"), v.get("hold", 0))
+    except ValueError as e:
+        raise ApiError(400, f"invalid program: {e}", param="program") from None
 
 
 def _session_params(body: dict[str, Any]) -> SessionParams | None:

@@ -21,6 +21,7 @@ from radixlm.runtime.sampling_params import (
     PARAMS,
     Param,
 )
+from radixlm.runtime.scheduler.request import MAX_PROGRAM_GROUP, MAX_PROGRAM_HOLD, MAX_PROGRAM_ID
 from radixlm.runtime.server.native_api import GENERATE_IGNORED, GENERATE_UNSUPPORTED
 from radixlm.runtime.server.openai_api import IGNORED_FIELDS, MAX_N, SAMPLING_FIELDS, UNSUPPORTED_FIELDS
 from radixlm.runtime.server.settings import ServerSettings
@@ -162,6 +163,17 @@ def _generate_request(max_top: int, max_jobs: int) -> Schema:
                                        "minItems": 2, "maxItems": 2},
             "description": "radixlm: sorted [start, end) character ranges of a single text (message contents) "
                            "tokenized as plain text, never as control tokens (unless --special-tokens-in-content)"}),
+        "program": {"anyOf": [{"type": "null"}, {
+            "type": "object", "additionalProperties": False, "required": ["id"],
+            "properties": {
+                "id": {"type": "string", "minLength": 1, "maxLength": MAX_PROGRAM_ID},
+                "group": {"anyOf": [{"type": "string", "maxLength": MAX_PROGRAM_GROUP}, {"type": "null"}]},
+                "hold": {"type": "integer", "minimum": 0, "maximum": MAX_PROGRAM_HOLD}},
+            "description": "radixlm: the program this request belongs to, for program-aware scheduling: "
+                           "requests of started programs are admitted first (within --program-fairness); "
+                           "group names a fork (its branches' first requests carry it); hold on a "
+                           "max_new_tokens=0 prefill keeps its KV cached until that many requests of its "
+                           "group were admitted"}]},
         **{k: {**ANY_JSON, "description": "accepted and ignored"} for k in GENERATE_IGNORED},
         **{k: _empty_only(k) for k in GENERATE_UNSUPPORTED},
     }, closed=True, description="Exactly one of text or input_ids. Prompts must be shorter than the context length.")

@@ -5,6 +5,11 @@ same executor the DSL runs client-side (radixlm.runtime.programs.executor), over
 connection whose every request is a native /generate body parsed exactly as that route parses
 it. So a program gives the same variables either way; it just skips one HTTP round trip per gen,
 select and fork. A graph is data: nothing in it is executed as code.
+
+Every engine request of a run carries the run's program id (and, for forks, the fork's group and
+hold: radixlm.runtime.scheduler.ProgramTag), so the scheduler admits it as part of a program; the
+engine is told when the program ends. /metrics counts programs, their latency and the HTTP round
+trips their in-process requests saved.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import contextlib
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +42,7 @@ from radixlm.runtime.programs.ir import Graph, GraphError
 from radixlm.runtime.programs.limits import ProgramLimits, check_limits
 from radixlm.runtime.programs.sampling import SamplingArgs
 from radixlm.runtime.programs.state import StateCore, TextEvent
+from radixlm.runtime.scheduler.request import ProgramTag
 from radixlm.runtime.server.context import CONTEXT, ServerContext
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import check_keys, get_bool, get_str
@@ -113,16 +120,32 @@ async def run_program(request: web.Request) -> web.StreamResponse:
     spec = await asyncio.to_thread(parse_program, body, ctx.settings.programs)
     core = StateCore()
     link = SessionTurns(spec.session_id, core) if spec.session_id is not None else None
-    run_ctx = RunContext(ServerConnection(ctx), ChatTemplate.from_dict(tok.role_markers()), spec.defaults,
-                         spec.stream, spec.graph.program, session=link)
-    with ctx.busy():
-        if spec.stream:
-            return await _stream(request, spec.graph, core, run_ctx, link)
-        try:
-            await _run(spec.graph, core, run_ctx, link)
-        except Exception as e:  # noqa: BLE001 - every failure leaves as an error naming its variable
-            raise program_error(e, core) from None
-        return json_response(program_result(spec.graph, core))
+    program_id = f"program-{uuid.uuid4().hex}"
+    run_ctx = RunContext(ServerConnection(ctx, program_id), ChatTemplate.from_dict(tok.role_markers()),
+                         spec.defaults, spec.stream, spec.graph.program, session=link)
+    metrics = ctx.metrics
+    metrics.programs_running.inc()
+    start, outcome = time.perf_counter(), "abort"
+    try:
+        with ctx.busy():
+            if spec.stream:
+                resp, outcome = await _stream(request, spec.graph, core, run_ctx, link)
+                return resp
+            try:
+                await _run(spec.graph, core, run_ctx, link)
+            except Exception as e:  # noqa: BLE001 - every failure leaves as an error naming its variable
+                outcome = "error"
+                raise program_error(e, core) from None
+            outcome = "ok"
+            return json_response(program_result(spec.graph, core))
+    finally:
+        metrics.programs_running.dec()
+        metrics.programs_finished.labels(outcome).inc()
+        if outcome != "abort":
+            metrics.program_latency.observe(time.perf_counter() - start)
+        dispatcher = ctx.dispatcher
+        if dispatcher is not None:  # the scheduler keeps nothing more for it
+            await dispatcher.client.end_program(program_id)
 
 
 async def _run(graph: Graph, core: StateCore, ctx: RunContext, link: SessionTurns | None) -> None:
@@ -132,8 +155,9 @@ async def _run(graph: Graph, core: StateCore, ctx: RunContext, link: SessionTurn
 
 
 async def _stream(request: web.Request, graph: Graph, core: StateCore, ctx: RunContext,
-                  link: SessionTurns | None) -> web.StreamResponse:
-    """One event per text event of every state, in each state's order, then the result (or the error)."""
+                  link: SessionTurns | None) -> tuple[web.StreamResponse, str]:
+    """One event per text event of every state, in each state's order, then the result (or the
+    error); and how the program ended ("ok" or "error"; an exception when the client left)."""
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     def heard(state: StateCore, event: TextEvent) -> None:
@@ -155,10 +179,12 @@ async def _stream(request: web.Request, graph: Graph, core: StateCore, ctx: RunC
             try:
                 await task
             except Exception as e:  # noqa: BLE001 - the program's error ends its stream
+                outcome = "error"
                 await send_event(resp, program_error(e, core).body())
             else:
+                outcome = "ok"
                 await send_event(resp, {"done": True, **program_result(graph, core)})
-        return resp
+        return resp, outcome
     finally:  # the client left, or the stream failed: every request of the program is aborted
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -199,15 +225,32 @@ def json_safe(value: Any) -> Any:
 
 class ServerConnection(Connection):
     """The executor's connection inside the server: each request is a native /generate body,
-    parsed by that route's own parser and run through the dispatcher (admission, abort on exit)."""
+    parsed by that route's own parser and run through the dispatcher (admission, abort on exit).
 
-    def __init__(self, ctx: ServerContext) -> None:
+    Each body names the program (``program_id``); the first request through a fork's connection
+    also names the fork (``group``) and, for its prefix prefill, how many branches wait for it."""
+
+    def __init__(self, ctx: ServerContext, program_id: str, group: str | None = None, hold: int = 0) -> None:
         self.ctx = ctx
+        self.program_id = program_id
+        self._group, self._hold = group, hold
+
+    def fork(self, group: str, branches: int) -> tuple[Connection, list[Connection]]:
+        return (ServerConnection(self.ctx, self.program_id, group, branches),
+                [ServerConnection(self.ctx, self.program_id, group) for _ in range(branches)])
+
+    def _tag(self) -> dict[str, Any]:
+        """This request's ``program`` field; a fork's group goes on its connection's first request only."""
+        tag = ProgramTag(self.program_id, self._group, self._hold)
+        self._group, self._hold = None, 0
+        return {"id": tag.id, "group": tag.group, "hold": tag.hold}
 
     async def _spec(self, body: dict[str, Any]) -> GenerateSpec:
         tok = self.ctx.tokenizer
         assert tok is not None  # the handler checked the server is ready
         s = self.ctx.settings
+        self.ctx.metrics.program_round_trips_saved.inc()  # a client-driven program would have sent this over HTTP
+        body = {**body, "program": self._tag()}
         return await asyncio.to_thread(parse_generate, body, tok, s.max_top_logprobs, s.max_queued_requests)
 
     @contextlib.asynccontextmanager

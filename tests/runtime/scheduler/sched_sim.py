@@ -19,7 +19,7 @@ from collections import defaultdict
 from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.radix_cache import NoCache, RadixCache, SlotAllocator
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import Request, Scheduled, Scheduler, Status
+from radixlm.runtime.scheduler import ProgramTag, Request, Scheduled, Scheduler, Status
 
 VOCAB = 50
 
@@ -67,9 +67,11 @@ class Sim:
         self.num_steps = 0
 
     # -- driving ---------------------------------------------------------------------------
-    def add(self, rid: str, prompt: list[int], max_new_tokens: int, logprob_start_len: int = -1) -> Request:
+    def add(self, rid: str, prompt: list[int], max_new_tokens: int, logprob_start_len: int = -1,
+            program: ProgramTag | None = None) -> Request:
         req = Request(
-            rid, list(prompt), SamplingParams(max_new_tokens=max_new_tokens), logprob_start_len=logprob_start_len
+            rid, list(prompt), SamplingParams(max_new_tokens=max_new_tokens), logprob_start_len=logprob_start_len,
+            program=program,
         )
         self.sched.add(req)
         self.requests[rid] = req

@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sched_sim import Sim, expected_prompt_logits, reference_output
 
+from radixlm.runtime.scheduler import ProgramTag
+
 
 @functools.lru_cache(maxsize=None)
 def alone_output(prompt: tuple[int, ...], max_new: int, cache: str, page_size: int) -> tuple[list[int], str]:
@@ -39,7 +41,13 @@ def workloads(draw, tight: bool = False):
         arrive = draw(st.one_of(st.just(0), st.just(0), st.integers(0, 12)))
         abort_at = draw(st.one_of(st.none(), st.none(), st.integers(0, 25))) if aborts else None
         lsl = draw(st.one_of(st.just(-1), st.just(-1), st.integers(0, len(prompt) + 1)))
-        reqs.append((f"r{i}", prompt, max_new, arrive, abort_at, lsl))
+        # requests of a few programs: fork-prefix prefills that hold their KV, and branches
+        program = None
+        if draw(st.booleans()):
+            group = draw(st.sampled_from([None, "f0", "f1"]))
+            hold = draw(st.integers(0, 3)) if group is not None and max_new == 0 else 0
+            program = ProgramTag(draw(st.sampled_from(["p0", "p1", "p2"])), group, hold)
+        reqs.append((f"r{i}", prompt, max_new, arrive, abort_at, lsl, program))
     demands = [len(p) + m for _, p, m, *_ in reqs]
     # from the largest single request (0) to twice the total demand
     frac = draw(st.sampled_from([0, 1 / 4, 1 / 3] if tight else [0, 1 / 3, 1 / 2, 1, 2]))
@@ -51,6 +59,8 @@ def workloads(draw, tight: bool = False):
         chunked_prefill_size=draw(st.sampled_from([0, 4, 512])),
         max_prefill_tokens=draw(st.sampled_from([4096, 8])),
         max_running_requests=draw(st.sampled_from([64, 3])),
+        program_scheduling=draw(st.booleans()),
+        program_fairness=draw(st.sampled_from([1, 2, 64])),
         lpm_max_queue=draw(st.sampled_from([128, 4])),
         init_new_token_ratio=init_ratio,
         min_new_token_ratio=min_ratio,
@@ -81,10 +91,10 @@ def check_drain(workload) -> None:
 
     def before_step(sim: Sim) -> None:
         idle = not sim.sched.has_work
-        for rid, prompt, max_new, arrive, abort_at, lsl in reqs:
+        for rid, prompt, max_new, arrive, abort_at, lsl, program in reqs:
             # arrive at step `arrive`, or as soon as the scheduler would otherwise be idle
             if rid not in sim.requests and (arrive <= sim.num_steps or idle):
-                sim.add(rid, prompt, max_new, logprob_start_len=lsl)
+                sim.add(rid, prompt, max_new, logprob_start_len=lsl, program=program)
             if abort_at is not None and abort_at == sim.num_steps and rid in sim.requests:
                 if sim.sched.abort(rid) is not None:
                     aborted.add(rid)
@@ -94,8 +104,12 @@ def check_drain(workload) -> None:
     event(f"aborted: {bool(aborted)}")
     event(f"served from cache: {any(r.cached_tokens for r in sim.requests.values())}")
     assert len(sim.requests) == len(reqs)
+    event(f"fork prefix held: {sim.sched.held_tokens > 0}")
+    for name in ("p0", "p1", "p2"):  # the server ends each program when its response is sent
+        sim.sched.end_program(name)
+    assert not sim.sched.programs
     sim.check_idle()
-    for rid, prompt, max_new, _, _, lsl in reqs:
+    for rid, prompt, max_new, _, _, lsl, _ in reqs:
         req = sim.requests[rid]
         ref = reference_output(prompt, max_new)
         if rid in aborted:

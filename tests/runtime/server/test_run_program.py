@@ -13,6 +13,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_harness import read_sse, start_server
 
 import radixlm as rl
@@ -21,7 +23,7 @@ from radixlm.lang.backends.runtime_endpoint import BackendError, RuntimeEndpoint
 ROOT = Path(__file__).resolve().parents[3]
 OPTIONS = ["--dtype=float32", "--max-total-tokens=8000", "--context-length=2048", "--max-program-gens=40",
            "--max-program-fork-depth=3", "--max-program-fork-width=4", "--max-program-text-bytes=20000",
-           "--max-program-nodes=400"]
+           "--max-program-nodes=400", "--program-scheduling=on"]
 
 
 def load(path: Path, name: str) -> Any:
@@ -239,3 +241,122 @@ def test_client_disconnect_aborts_every_request_of_the_program(server):
                              lambda i: i["requests_in_flight"] == 0 and i["stats"]["running_requests"] == 0)
     assert info["http_handlers_in_flight"] == 0
     assert server.metric("radixlm_requests_total", 'finish_reason="abort"') >= 2  # not left to finish
+
+
+# -- program-aware scheduling ------------------------------------------------------------------
+@rl.function
+def tree(s, i: int):
+    s += f"Problem {i}: name a number." + rl.gen("start", max_tokens=3, ignore_eos=True)
+    f = s.fork(3)
+    for k, b in enumerate(f):
+        b += f"\nIdea {k}:" + rl.gen("idea", max_tokens=3, ignore_eos=True)
+        g = b.fork(2)
+        for j, c in enumerate(g):
+            c += f"\nCheck {j}:" + rl.gen("check", max_tokens=2, ignore_eos=True)
+        g.join()
+    f.join()
+    s += "\nBest:" + rl.select("best", choices=[" first", " second"])
+
+
+def test_greedy_results_are_the_same_with_program_scheduling_on_and_off(server):
+    """8 concurrent programs of forks within forks, run on this server (program scheduling on) and
+    on one started with it off: the same variables."""
+    off = start_server(*OPTIONS, "--program-scheduling=off")
+    try:
+        args = [{"i": i} for i in range(8)]
+        runs = [tree.run_batch(args, backend=RuntimeEndpoint(s.url, programs="server"), temperature=0,
+                               concurrency=8) for s in (server, off)]
+    finally:
+        off.stop()
+    on_vars, off_vars = ([s.variables() for s in r] for r in runs)
+    assert all(s.error() is None for r in runs for s in r)
+    assert on_vars == off_vars and len(on_vars[0]["check"]) == 3
+
+
+def test_program_metrics_move_and_nothing_stays_held(server):
+    names = ("radixlm_programs_finished_total", "radixlm_program_latency_seconds_count",
+             "radixlm_program_round_trips_saved_total")
+    before = [server.metric(names[0], 'outcome="ok"'), server.metric(names[1]), server.metric(names[2])]
+    errors = server.metric(names[0], 'outcome="error"')
+    state = tree.run(0, backend=RuntimeEndpoint(server.url, programs="server"), temperature=0)
+    assert state.error() is None
+    after = [server.metric(names[0], 'outcome="ok"'), server.metric(names[1]), server.metric(names[2])]
+    assert after[0] == before[0] + 1 and after[1] == before[1] + 1
+    # 1 + 3 + 6 gens, fork prefills (root and each of the 3 branches) and the select's scoring
+    assert after[2] - before[2] >= 10 + 4 + 1
+    assert server.metric("radixlm_programs_running") == 0
+    status, _ = server.post("/run_program", {"graph": graph_of(bad_regex)})
+    assert status == 400 and server.metric(names[0], 'outcome="error"') == errors + 1
+    # the engine forgot the programs: no fork prefix stays locked for them
+    stats = server.server_info()["stats"]
+    assert stats["programs_scheduled"] == 0 and stats["program_held_tokens"] == 0
+
+
+@pytest.mark.parametrize("program", [
+    "p", {"group": "g"}, {"id": ""}, {"id": "p", "hold": -1}, {"id": "p", "hold": 2}, {"id": "p", "x": 1},
+    {"id": "p", "group": "g", "hold": "3"},
+])
+def test_bad_program_fields_on_generate_are_400s(server, program):
+    status, out = server.post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1},
+                                            "program": program})
+    assert status == 400 and out["error"]["param"] == "program", out
+
+
+def test_a_client_may_name_its_program_on_generate(server):
+    tag = {"id": "my-program", "group": "f0", "hold": 2}
+    out = server.generate({"text": "Count: one, two,", "sampling_params": {"max_new_tokens": 0}, "program": tag})
+    assert out["meta_info"]["prompt_tokens"] > 0
+    held = server.server_info()["stats"]["program_held_tokens"]
+    assert held >= out["meta_info"]["prompt_tokens"] - 1  # its prefix is kept for the fork's 2 branches
+    for i in range(2):
+        server.generate({"text": f"Count: one, two, {i}", "sampling_params": {"max_new_tokens": 1},
+                         "program": {"id": "my-program", "group": "f0"}})
+    assert server.server_info()["stats"]["program_held_tokens"] == 0  # both branches came
+
+
+# -- hostile graphs ----------------------------------------------------------------------------
+@pytest.mark.parametrize("nodes, needle", [
+    ([{"op": "join", "fork": 0}, {"op": "fork", "id": 0, "branches": [[]]}], "not forked earlier"),
+    ([{"op": "fork", "id": 0, "branches": [[{"op": "join", "fork": 0}]]}, {"op": "join", "fork": 0}],
+     "not forked earlier"),  # a branch joining the fork it belongs to: a cycle
+    ([{"op": "gen", "name": "x", "sampling": {"max_new_tokens": -3}}], "max_new_tokens"),
+    ([{"op": "select", "name": "x", "choices": []}], "choices"),
+    ([{"op": "text"}], "text"),
+])
+def test_cycles_and_malformed_nodes_are_400s(server, nodes, needle):
+    status, out = server.post("/run_program", {"graph": {"nodes": nodes}})
+    assert status == 400, out
+    assert any(needle in p for p in out["error"]["errors"]), out
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20)
+NODE_OPS = ["text", "gen", "select", "fork", "join", "role_begin", "role_end", "var_begin", "var_end", "exec"]
+NODES = st.fixed_dictionaries({"op": st.sampled_from(NODE_OPS)}, optional={
+    "text": JSON_VALUES, "name": JSON_VALUES, "sampling": JSON_VALUES, "choices": JSON_VALUES,
+    "id": st.integers(-1, 3) | JSON_VALUES, "fork": st.integers(-1, 3), "role": st.sampled_from(["user", "x"]),
+    "branches": st.lists(st.lists(st.fixed_dictionaries({"op": st.sampled_from(NODE_OPS)}), max_size=2),
+                         max_size=2)})
+BODIES = st.one_of(
+    JSON_VALUES,
+    st.fixed_dictionaries({"graph": st.one_of(JSON_VALUES, st.fixed_dictionaries(
+        {"nodes": st.lists(NODES, max_size=6)}, optional={"version": JSON_VALUES, "program": JSON_VALUES}))},
+        optional={"stream": JSON_VALUES, "sampling_defaults": JSON_VALUES, "session_id": JSON_VALUES}))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(body=BODIES)
+def test_random_bodies_never_give_a_server_error(server, body):
+    """Random JSON bodies and near-graphs: a 400 (or, for a graph that happens to be valid, a 200 or
+    a program error), never a 5xx."""
+    if isinstance(body, dict) and isinstance(body.get("graph"), dict):
+        for node in body["graph"].get("nodes", []):
+            if node.get("op") == "gen" and isinstance(node.get("sampling"), dict):
+                node["sampling"]["max_new_tokens"] = 2  # valid gens stay short
+    status, out = server.post("/run_program", body)
+    assert status < 500, (body, out)
+    if status != 200:
+        assert "error" in out or isinstance(out, str), out

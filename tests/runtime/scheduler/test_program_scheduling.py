@@ -1,0 +1,192 @@
+"""Program-aware admission, driven without a model (see sched_sim.py): running programs first within
+the fairness bound, fork siblings together, fork prefixes held until their branches are admitted."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sched_sim import Sim, reference_output
+
+from radixlm.runtime.scheduler import ProgramTag
+
+
+def psim(*args, **kwargs) -> Sim:
+    """A Sim with program scheduling on unless told otherwise (the flag's default is off)."""
+    kwargs.setdefault("program_scheduling", True)
+    return Sim(*args, **kwargs)
+
+
+def admission_order(sim: Sim) -> list[str]:
+    """rids in the order they were first admitted (their first prefill chunk)."""
+    seen: list[str] = []
+    for step in sim.history:
+        for s in step:
+            if s.prefill and s.req.rid not in seen:
+                seen.append(s.req.rid)
+    return seen
+
+
+def step_until(sim: Sim, cond) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        sim.step()
+    raise AssertionError("condition never met")
+
+
+def tag(program: str, group: str | None = None, hold: int = 0) -> ProgramTag:
+    return ProgramTag(program, group, hold)
+
+
+# -- running programs first --------------------------------------------------------------------
+def test_a_running_programs_next_request_goes_before_a_new_program():
+    orders = {}
+    for on in (True, False):
+        sim = psim(1000, policy="fcfs", max_running_requests=1, program_scheduling=on)
+        sim.add("a1", [1, 2, 3], 2, program=tag("A"))
+        sim.step()  # a1 admitted: program A runs
+        sim.add("b1", [4, 5, 6], 2, program=tag("B"))  # a new program, arrived first
+        sim.add("a2", [1, 2, 3, 7], 2, program=tag("A"))  # A's next gen
+        sim.run()
+        orders[on] = admission_order(sim)
+    assert orders[True] == ["a1", "a2", "b1"]
+    assert orders[False] == ["a1", "b1", "a2"]  # off: first come, first served
+
+
+def test_older_programs_go_first_and_fork_siblings_stay_together():
+    sim = psim(1000, policy="fcfs", max_running_requests=2)
+    sim.add("p", [1, 2], 1, program=tag("P"))
+    sim.add("q", [3, 4], 1, program=tag("Q"))
+    sim.run()  # both started: P before Q
+    for i in range(2):  # interleaved arrivals of two forks' branches
+        sim.add(f"q{i}", [3, 4, 10 + i], 1, program=tag("Q", "root/f0"))
+        sim.add(f"p{i}", [1, 2, 20 + i], 1, program=tag("P", "root/f0"))
+    sim.run()
+    assert admission_order(sim)[2:] == ["p0", "p1", "q0", "q1"]
+
+
+def test_requests_without_a_program_are_never_preferred_but_not_starved():
+    sim = psim(1000, policy="fcfs", max_running_requests=1, program_fairness=2)
+    sim.add("a0", [1], 1, program=tag("A"))
+    sim.step()
+    sim.add("plain", [9, 9], 1)
+    for i in range(1, 6):
+        sim.add(f"a{i}", [1, i + 1], 1, program=tag("A"))
+    sim.run()
+    order = admission_order(sim)
+    assert order.index("plain") == 3  # passed over by exactly program_fairness = 2 later arrivals
+
+
+@st.composite
+def program_streams(draw):
+    """(fairness bound, max running, requests (rid, prompt, max_new, arrival step, program))."""
+    bound = draw(st.sampled_from([1, 2, 3, 8]))
+    rows = draw(st.sampled_from([1, 2, 3]))
+    n = draw(st.integers(2, 24))
+    reqs = []
+    for i in range(n):
+        program = draw(st.one_of(st.none(), st.sampled_from(["A", "B", "C", "D"])))
+        group = draw(st.sampled_from([None, "f0", "f1"])) if program else None
+        prompt = [i % 50, (i * 7) % 50, 49 - i % 50]  # distinct prompts: no shared-prefix waits
+        reqs.append((f"r{i}", prompt, draw(st.integers(1, 4)), draw(st.integers(0, 30)),
+                     tag(program, group) if program else None))
+    return bound, rows, reqs
+
+
+def run_stream(bound: int, rows: int, reqs, on: bool) -> Sim:
+    sim = psim(4000, policy="fcfs", max_running_requests=rows, program_fairness=bound, program_scheduling=on)
+
+    def before_step(sim: Sim) -> None:
+        idle = not sim.sched.has_work
+        for rid, prompt, max_new, arrive, program in reqs:
+            if rid not in sim.requests and (arrive <= sim.num_steps or idle):
+                sim.add(rid, prompt, max_new, program=program)
+
+    sim.run(before_step=before_step)
+    assert sim.sched.num_retractions == 0
+    return sim
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program_streams())
+def test_no_request_is_overtaken_by_more_than_the_fairness_bound(stream):
+    """fcfs + program scheduling: for every request, at most program_fairness requests that arrived
+    after it are admitted before it (off: none); outputs are those of the requests run alone."""
+    bound, rows, reqs = stream
+    for on in (True, False):
+        sim = run_stream(bound, rows, reqs, on)
+        order = admission_order(sim)
+        arrival = {rid: r.arrival for rid, r in sim.requests.items()}
+        for k, rid in enumerate(order):
+            overtakers = [o for o in order[:k] if arrival[o] > arrival[rid]]
+            assert len(overtakers) <= (bound if on else 0), (rid, overtakers)
+        for rid, prompt, max_new, _, _ in reqs:
+            assert sim.requests[rid].output_ids == reference_output(prompt, max_new), rid
+        for name in "ABCD":
+            sim.sched.end_program(name)
+        sim.check_idle()
+
+
+# -- fork prefixes held ------------------------------------------------------------------------
+PREFIX = list(range(20))
+
+
+def fork_prefix(sim: Sim, branches: int) -> None:
+    sim.add("prefix", PREFIX, 0, program=tag("P", "root/f0", hold=branches))
+    sim.run()
+
+
+def test_a_fork_prefix_survives_eviction_until_its_last_branch_is_admitted():
+    for on in (True, False):
+        sim = psim(200, program_scheduling=on, max_running_requests=1)
+        fork_prefix(sim, 3)
+        assert sim.sched.held_tokens == (20 if on else 0)
+        for i in range(3):
+            sim.cache.evict(1000)  # memory pressure between branches: everything unlocked goes
+            sim.add(f"b{i}", PREFIX + [30 + i], 2, program=tag("P", "root/f0"))
+            step_until(sim, lambda i=i: f"b{i}" in admission_order(sim))
+            assert sim.requests[f"b{i}"].cached_tokens == (20 if on else 0)
+            sim.run()
+        assert sim.sched.held_tokens == 0  # the third branch's admission released it
+        sim.sched.end_program("P")
+        sim.check_idle()
+
+
+def test_ending_the_program_releases_what_it_holds():
+    sim = psim(200)
+    fork_prefix(sim, 3)
+    sim.add("b0", PREFIX + [30], 1, program=tag("P", "root/f0"))
+    sim.run()
+    assert sim.sched.held_tokens == 20 and sim.cache.protected_size() >= 20
+    sim.sched.end_program("P")  # the other branches failed, say: nothing stays locked
+    assert sim.sched.held_tokens == 0 and not sim.sched.programs
+    sim.check_idle()
+
+
+def test_a_held_prefix_is_given_up_before_work_stalls():
+    sim = psim(40, max_running_requests=4)
+    fork_prefix(sim, 2)
+    # a request of another program that fits only once the held prefix's 20 slots are evicted
+    sim.add("other", [45] * 30, 5, program=tag("Q"))
+    sim.run()
+    assert sim.requests["other"].output_ids == reference_output([45] * 30, 5)
+    assert sim.sched.held_tokens == 0
+    sim.sched.end_program("P")
+    sim.check_idle()
+
+
+def test_programs_nobody_ends_are_forgotten_oldest_first():
+    sim = psim(4000, max_running_requests=1)
+    for i in range(6):
+        sim.add(f"r{i}", [i + 1], 1, program=tag(f"P{i}"))
+        sim.run()
+    assert list(sim.sched.programs) == ["P2", "P3", "P4", "P5"]  # PROGRAMS_PER_ROW x 1 row
+
+
+def test_program_tags_are_checked():
+    for bad in [("",), ("x" * 257,), ("p", None, 2), ("p", "g", -1), ("p", "g", True)]:
+        try:
+            ProgramTag(*bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad}")
