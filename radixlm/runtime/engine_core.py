@@ -13,6 +13,7 @@ and the fourth. The in-process Engine drives `step()` from its callers; the serv
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample_tokens, token_logprobs, with_logprobs
+from radixlm.runtime.model.formats import choose_dtype, choose_quantization, cpu_flags
 from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model.source import ModelSource, resolve_model
 from radixlm.runtime.model_runner import ModelRunner
@@ -41,6 +43,8 @@ from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduled, Scheduler, Status
 from radixlm.runtime.sessions import SessionManager, prepended_bos
 from radixlm.runtime.stop import StopMatcher
+
+log = logging.getLogger("radixlm.engine")
 
 __all__ = ["EngineCore", "RequestOutput"]
 
@@ -92,10 +96,16 @@ class EngineCore:
         self.device = torch.device(mc.device)
         if self.device.type == "cuda":  # compiled kernels stay in radixlm's cache: a restart loads them
             os.environ.setdefault("TRITON_CACHE_DIR", str(Path(mc.cache_dir) / "triton"))
-        dtype = getattr(torch, mc.dtype)
+        self.dtype_choice = choose_dtype(mc.dtype, self.device.type, cpu_flags() if self.device.type == "cpu" else None)
+        self.quant_choice = choose_quantization(mc.quantization, self.device.type, self.dtype_choice.dtype,
+                                                self._gguf_four_bit(), mc.quant_dense_above)
+        log.info("dtype %s: %s", self.dtype_choice.dtype, self.dtype_choice.reason)
+        log.info("quantization %s: %s", self.quant_choice.method, self.quant_choice.reason)
+        dtype = getattr(torch, self.dtype_choice.dtype)
         self.context_length = mc.context_length or min(arch.max_position_embeddings, DEFAULT_CONTEXT_CAP)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
-        self.model = build_model(arch, self.source.weights_dir, dtype, self.device, self.context_length, mc.seed)
+        self.model = build_model(arch, self.source.weights_dir, dtype, self.device, self.context_length, mc.seed,
+                                 self.quant_choice, self.source.gguf_path)
         if cc.cache not in CACHES:
             raise ValueError(f"unknown cache {cc.cache!r}; choose one of {sorted(CACHES)}")
         num_slots = cc.max_total_tokens or self._pool_slots(dtype)
@@ -136,6 +146,14 @@ class EngineCore:
             reserve = activation_reserve(arch, dtype, tokens + sc.max_running_requests, sc.max_running_requests)
         return pool_slots(arch, dtype, _available_memory(self.device), cc.fraction_for(self.device.type), reserve)
 
+    def _gguf_four_bit(self) -> bool:
+        """Whether the model comes from a GGUF whose layers' linear weights are mostly 4-bit."""
+        if self.source.gguf_path is None:
+            return False
+        from radixlm.runtime.model.gguf_quant import four_bit_share
+
+        return four_bit_share(self.source.gguf_path) > 0.5
+
     def _grammar_service(self) -> GrammarService:
         return GrammarService(self.tokenizer, self.source.arch.vocab_size, sorted(self.eos_ids), self.config.constraint)
 
@@ -147,7 +165,11 @@ class EngineCore:
             "tokenizer_path": str(self.source.tokenizer_dir),
             "context_length": self.context_length,
             "vocab_size": self.source.arch.vocab_size,
-            "dtype": self.config.model.dtype,
+            "dtype": self.dtype_choice.dtype,
+            "dtype_reason": self.dtype_choice.reason,
+            "quantization": self.quant_choice.method,
+            "quantization_reason": self.quant_choice.reason,
+            "quant_dense_above": self.quant_choice.dense_above,
             "device": str(self.device),
             "max_total_tokens": self.allocator.num_slots,
             "max_running_requests": self.config.scheduler.max_running_requests,

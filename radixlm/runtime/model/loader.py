@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
+from radixlm.runtime.kernels.quant import QUANT_METHODS
 from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.formats import QuantChoice
 from radixlm.runtime.model.llama import LlamaModel
 
 # HF tensor name suffix -> (our parameter suffix, which part of a fused tensor it fills)
@@ -117,8 +119,11 @@ def build_model(
     device: torch.device | str,
     max_positions: int,
     seed: int = 0,
+    quant: QuantChoice | None = None,
+    gguf_path: Path | None = None,
 ) -> LlamaModel:
-    """The model with weights from `model_dir`, or random weights (std 0.02) when it is None."""
+    """The model with weights from `model_dir`, or random weights (std 0.02) when it is None;
+    with `quant`, its linear layers weight-only quantized (from `gguf_path`'s blocks if given)."""
     with torch.device("meta"):
         model = LlamaModel(arch)
     model = model.to_empty(device=device).to(dtype)
@@ -135,6 +140,43 @@ def build_model(
     else:
         with torch.no_grad():
             load_weights(model, model_dir)
+    if quant is not None and quant.method != "none":
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"--quantization {quant.method} runs on the CPU only; use --quantization none")
+        quantize_linears(model, quant, dtype, gguf_path)
     model.eval().requires_grad_(False)
     model.init_rope(max_positions)
     return model
+
+
+def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, gguf_path: Path | None) -> None:
+    """Replace every layer's linear modules and the LM head by weight-only quantized ones: from
+    the GGUF file's own blocks when there is one, else from the loaded float weights."""
+    from torch import nn
+
+    if quant.method not in QUANT_METHODS:
+        raise ValueError(f"unknown quantization {quant.method!r}; choose one of none, {', '.join(sorted(QUANT_METHODS))}")
+    keep = quant.dense_above is not None
+    gguf = None
+    if gguf_path is not None:
+        from radixlm.runtime.model.gguf_quant import GGUFLinears
+
+        gguf = GGUFLinears(gguf_path)
+    for i, layer in enumerate(model.layers):
+        for ours in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            parent_name, _, attr = ours.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            dense = getattr(parent, attr)
+            if gguf is not None:
+                new = gguf.layer(i, ours, quant.method, dtype, quant.dense_above)
+            else:
+                new = QUANT_METHODS[quant.method](dense.weight.data, dtype, dense.bias, keep_dense=keep,
+                                                  dense_above=quant.dense_above)
+            if dense.bias is not None and new.bias is None:
+                new.bias = nn.Parameter(dense.bias.data, requires_grad=False)
+            setattr(parent, attr, new)
+    if gguf is not None:
+        model.quant_head = gguf.head(quant.method, dtype, quant.dense_above)
+    else:
+        model.quant_head = QUANT_METHODS[quant.method](model.lm_head_weight.data, dtype, keep_dense=keep,
+                                                       dense_above=quant.dense_above)
