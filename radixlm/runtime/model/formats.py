@@ -89,7 +89,12 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
                         dense_above: int | None = None) -> QuantChoice:
     """Whether linear weights stay quantized. `gguf_four_bit`: the model comes from a GGUF whose
     linear weights are mostly Q4_0/Q4_1/Q4_K; `dense_above`: --quant-dense-above, if given."""
+    from radixlm.runtime.kernels.quant import QUANT_METHODS
+
     on_cuda = device.startswith("cuda")
+    if requested not in ("auto", "none", *QUANT_METHODS):
+        raise ValueError(f"unknown --quantization {requested!r}; choose one of auto, none, "
+                         + ", ".join(sorted(QUANT_METHODS)))
     if requested == "none":
         return QuantChoice("none", None, "set by --quantization")
     if requested != "auto":
