@@ -98,7 +98,7 @@ def main() -> None:
                     row: dict[str, object] = {"act": act_name, "shape": shape, "n": n, "k": k, "m": m}
                     for name, fn in cands.items():
                         try:
-                            row[name] = round(_time(lambda fn=fn: fn(x)), 1)
+                            row[name] = round(_time(lambda fn=fn, x=x: fn(x)), 1)
                         except Exception as e:  # noqa: BLE001 - a kernel missing on this CPU/dtype is a result
                             row[name] = f"error: {type(e).__name__}"
                     timed = {kk: v for kk, v in row.items() if kk not in ("act", "shape", "n", "k", "m")

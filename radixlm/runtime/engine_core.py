@@ -96,16 +96,22 @@ class EngineCore:
         self.device = torch.device(mc.device)
         if self.device.type == "cuda":  # compiled kernels stay in radixlm's cache: a restart loads them
             os.environ.setdefault("TRITON_CACHE_DIR", str(Path(mc.cache_dir) / "triton"))
+        gguf = None
+        if self.source.gguf_path is not None:
+            from radixlm.runtime.model.gguf_quant import GGUFLinears
+
+            gguf = GGUFLinears(self.source.gguf_path)
         self.dtype_choice = choose_dtype(mc.dtype, self.device.type, cpu_flags() if self.device.type == "cpu" else None)
         self.quant_choice = choose_quantization(mc.quantization, self.device.type, self.dtype_choice.dtype,
-                                                self._gguf_four_bit(), mc.quant_dense_above)
+                                                gguf is not None and gguf.four_bit_share() > 0.5,
+                                                mc.quant_dense_above)
         log.info("dtype %s: %s", self.dtype_choice.dtype, self.dtype_choice.reason)
         log.info("quantization %s: %s", self.quant_choice.method, self.quant_choice.reason)
         dtype = getattr(torch, self.dtype_choice.dtype)
         self.context_length = mc.context_length or min(arch.max_position_embeddings, DEFAULT_CONTEXT_CAP)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
         self.model = build_model(arch, self.source.weights_dir, dtype, self.device, self.context_length, mc.seed,
-                                 self.quant_choice, self.source.gguf_path)
+                                 self.quant_choice, gguf)
         if cc.cache not in CACHES:
             raise ValueError(f"unknown cache {cc.cache!r}; choose one of {sorted(CACHES)}")
         num_slots = cc.max_total_tokens or self._pool_slots(dtype)
@@ -145,14 +151,6 @@ class EngineCore:
             tokens = max(sc.max_prefill_tokens, sc.chunked_prefill_size or self.context_length)
             reserve = activation_reserve(arch, dtype, tokens + sc.max_running_requests, sc.max_running_requests)
         return pool_slots(arch, dtype, _available_memory(self.device), cc.fraction_for(self.device.type), reserve)
-
-    def _gguf_four_bit(self) -> bool:
-        """Whether the model comes from a GGUF whose layers' linear weights are mostly 4-bit."""
-        if self.source.gguf_path is None:
-            return False
-        from radixlm.runtime.model.gguf_quant import four_bit_share
-
-        return four_bit_share(self.source.gguf_path) > 0.5
 
     def _grammar_service(self) -> GrammarService:
         return GrammarService(self.tokenizer, self.source.arch.vocab_size, sorted(self.eos_ids), self.config.constraint)

@@ -62,7 +62,8 @@ class Int8Linear(WeightOnlyLinear):
         self.register_buffer("scales", scales.contiguous())
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return out
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -94,7 +95,8 @@ class Int4Linear(WeightOnlyLinear):
         self.register_buffer("scales_zeros", torch.stack([scales.T, zeros.T], -1).to(dtype).contiguous())
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return out
 
     @classmethod
     def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,

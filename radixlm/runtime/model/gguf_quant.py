@@ -61,20 +61,11 @@ def four_bit_blocks(kind: str, data: np.ndarray, n: int, k: int) -> tuple[np.nda
     raise ValueError(f"{kind} is not a 4-bit GGUF type ({', '.join(FOUR_BIT)})")
 
 
-def four_bit_share(path: Path) -> float:
-    """The share of the layers' linear weights (by count) stored in a 4-bit type."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    kinds = [t.tensor_type.name for t in reader.tensors
-             if t.name.startswith("blk.") and t.name.split(".")[2] in sum(_LAYER_PARTS.values(), ())]
-    return sum(k in FOUR_BIT for k in kinds) / max(1, len(kinds))
-
-
 class GGUFLinears:
     """The linear weights of one Llama GGUF file, by layer, as quantized modules."""
 
     def __init__(self, path: Path) -> None:
+        """Reads the file's header (parsing its metadata takes seconds: open it once per load)."""
         import gguf
 
         self.reader = gguf.GGUFReader(str(path))
@@ -82,6 +73,13 @@ class GGUFLinears:
         heads = self.reader.fields["llama.attention.head_count"].contents()
         kv_heads = self.reader.fields["llama.attention.head_count_kv"].contents()
         self.permute = {"attn_q": int(heads), "attn_k": int(kv_heads)}
+
+    def four_bit_share(self) -> float:
+        """The share of the layers' linear weights (by count) stored in a 4-bit type."""
+        parts = sum(_LAYER_PARTS.values(), ())
+        kinds = [t.tensor_type.name for name, t in self.tensors.items()
+                 if name.startswith("blk.") and name.split(".")[2] in parts]
+        return sum(k in FOUR_BIT for k in kinds) / max(1, len(kinds))
 
     def _parts(self, names: list[str]) -> list[tuple[str, Any]]:
         out = []

@@ -11,6 +11,7 @@ import torch
 from radixlm.runtime.kernels.quant import QUANT_METHODS
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice
+from radixlm.runtime.model.gguf_quant import GGUFLinears
 from radixlm.runtime.model.llama import LlamaModel
 
 # HF tensor name suffix -> (our parameter suffix, which part of a fused tensor it fills)
@@ -120,10 +121,11 @@ def build_model(
     max_positions: int,
     seed: int = 0,
     quant: QuantChoice | None = None,
-    gguf_path: Path | None = None,
+    gguf: GGUFLinears | Path | None = None,
 ) -> LlamaModel:
     """The model with weights from `model_dir`, or random weights (std 0.02) when it is None;
-    with `quant`, its linear layers weight-only quantized (from `gguf_path`'s blocks if given)."""
+    with `quant`, its linear layers weight-only quantized (from the blocks of the GGUF file
+    `gguf`, if given)."""
     with torch.device("meta"):
         model = LlamaModel(arch)
     model = model.to_empty(device=device).to(dtype)
@@ -143,13 +145,13 @@ def build_model(
     if quant is not None and quant.method != "none":
         if torch.device(device).type != "cpu":
             raise ValueError(f"--quantization {quant.method} runs on the CPU only; use --quantization none")
-        quantize_linears(model, quant, dtype, gguf_path)
+        quantize_linears(model, quant, dtype, GGUFLinears(gguf) if isinstance(gguf, Path) else gguf)
     model.eval().requires_grad_(False)
     model.init_rope(max_positions)
     return model
 
 
-def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, gguf_path: Path | None) -> None:
+def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, gguf: GGUFLinears | None) -> None:
     """Replace every layer's linear modules and the LM head by weight-only quantized ones: from
     the GGUF file's own blocks when there is one, else from the loaded float weights."""
     from torch import nn
@@ -157,11 +159,6 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
     if quant.method not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {quant.method!r}; choose one of none, {', '.join(sorted(QUANT_METHODS))}")
     keep = quant.dense_above is not None
-    gguf = None
-    if gguf_path is not None:
-        from radixlm.runtime.model.gguf_quant import GGUFLinears
-
-        gguf = GGUFLinears(gguf_path)
     for i, layer in enumerate(model.layers):
         for ours in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             parent_name, _, attr = ours.rpartition(".")

@@ -115,7 +115,7 @@ def test_default_model_quantized_logits_and_greedy(default_source, smol_tokenize
     src = default_source
     dense = build_model(src.arch, src.weights_dir, torch.float32, "cpu", max_positions=2048)
     quant = build_model(src.arch, src.weights_dir, torch.bfloat16, "cpu", max_positions=2048,
-                        quant=QuantChoice(method, None, "test"), gguf_path=src.gguf_path)
+                        quant=QuantChoice(method, None, "test"), gguf=src.gguf_path)
     assert type(quant.layers[0].mlp.down_proj).__name__ == ("Int4Linear" if method == "q4" else "Int8Linear")
     for chat, answer in CHATS:
         ids = _ids(smol_tokenizer, chat)
