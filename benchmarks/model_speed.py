@@ -132,8 +132,12 @@ def main() -> None:
     loads = [_load()]
     for rep in range(args.reps):
         for name, engine in engines.items():
-            r = {f"decode_bs{bs}": ours(engine, bs) for bs in batches}
+            r = {}
+            for bs in batches:
+                r[f"decode_bs{bs}"] = ours(engine, bs)
+                print(f"  {name} decode_bs{bs}: {r[f'decode_bs{bs}']:.1f} tok/s (load {_load()})", flush=True)
             r["prefill"] = ours_prefill(engine)
+            print(f"  {name} prefill: {r['prefill']:.1f} tok/s", flush=True)
             runs[name].append(r)
         if hf_model is not None:
             r = {f"decode_bs{bs}": hf(hf_model, first.tokenizer, bs) for bs in batches}
@@ -142,6 +146,7 @@ def main() -> None:
         if llm is not None:
             d, p = llama_cpp(llm, first.tokenizer)
             runs["llama.cpp"].append({"decode_bs1": d, "prefill": p})
+            print(f"  llama.cpp decode_bs1: {d:.1f} tok/s, prefill {p:.1f} tok/s", flush=True)
         loads.append(_load())
         print(f"rep {rep}: load {loads[-1]}: " + json.dumps({k: v[-1] for k, v in runs.items()}), flush=True)
     best = {name: {m: max(r[m] for r in rs) for m in rs[0]} for name, rs in runs.items()}
