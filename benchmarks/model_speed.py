@@ -1,14 +1,21 @@
 """Raw model speed on the default model: decode tok/s at batch 1/8/16/32 and prefill tok/s,
-and 16-concurrent throughput; radixlm next to HF transformers (bf16, same weights) and llama.cpp (same GGUF).
+and 16-concurrent throughput; radixlm (each --quantization given: auto = the GGUF's own 4-bit
+weights on a bf16 CPU, none = dense) next to HF transformers (bf16, same weights) and llama.cpp
+(same GGUF, same threads). Each system runs --reps times, interleaved, so load from other work on
+a shared machine falls on all of them alike; the best of the repetitions is reported (and all of
+them kept in the JSON).
 
-    python benchmarks/model_speed.py [--skip-llama-cpp] [--out benchmarks/results/model_speed.json]
+    python benchmarks/model_speed.py [--reps 3] [--quantizations auto,none] [--skip-hf] [--skip-llama-cpp]
+        [--out benchmarks/results/model_speed.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -68,11 +75,7 @@ def hf_prefill(model, tokenizer) -> float:
     return PREFILL_LEN / (time.perf_counter() - t0)
 
 
-def llama_cpp(tokenizer) -> tuple[float, float]:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(builtin_gguf_path(DEFAULT_MODEL)), n_ctx=2048, n_threads=2, n_batch=512,
-                verbose=False)
+def llama_cpp(llm, tokenizer) -> tuple[float, float]:
     prompt = _prompts(tokenizer, 1, PREFILL_LEN)[0]
     llm.reset()
     t0 = time.perf_counter()
@@ -92,36 +95,91 @@ def llama_cpp(tokenizer) -> tuple[float, float]:
     return decode, prefill
 
 
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quantizations", default="auto,none")
+    ap.add_argument("--batches", default="1,8,16,32")
     ap.add_argument("--out", default="benchmarks/results/model_speed.json")
     args = ap.parse_args()
     import transformers
 
-    engine = Engine(max_total_tokens=20000)
-    results: dict[str, dict[str, float]] = {"radixlm": {}, "hf": {}, "llama.cpp": {}}
-    for bs in (1, 8, 16, 32):
-        results["radixlm"][f"decode_bs{bs}"] = ours(engine, bs)
-    results["radixlm"]["prefill"] = ours_prefill(engine)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(engine.core.source.weights_dir), dtype=torch.bfloat16).eval()
-    for bs in (1, 8, 16, 32):
-        results["hf"][f"decode_bs{bs}"] = hf(model, engine.tokenizer, bs)
-    results["hf"]["prefill"] = hf_prefill(model, engine.tokenizer)
+    threads = torch.get_num_threads()
+    batches = [int(b) for b in args.batches.split(",")]
+    engines = {f"radixlm {q}": Engine(max_total_tokens=20000, quantization=q) for q in args.quantizations.split(",")}
+    first = next(iter(engines.values()))
+    formats = {name: {k: e.core.info()[k] for k in ("dtype", "dtype_reason", "quantization", "quantization_reason")}
+               for name, e in engines.items()}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    hf_model = None
+    if not args.skip_hf:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(first.core.source.weights_dir), dtype=torch.bfloat16).eval()
+        runs["HF bf16"] = []
+    llm = None
     if not args.skip_llama_cpp:
-        d, p = llama_cpp(engine.tokenizer)
-        results["llama.cpp"].update(decode_bs1=d, prefill=p)
-    rows = ["decode_bs1", "decode_bs8", "decode_bs16", "decode_bs32", "prefill"]
-    print(f"{'tok/s':<12}{'radixlm':>10}{'HF bf16':>10}{'llama.cpp':>11}{'vs HF':>8}{'vs l.cpp':>9}")
-    for r in rows:
-        o, h, lc = (results[k].get(r) for k in ("radixlm", "hf", "llama.cpp"))
-        print(f"{r:<12}{o:>10.1f}{h:>10.1f}{(lc or float('nan')):>11.1f}{o / h:>7.2f}x"
-              f"{(o / lc if lc else float('nan')):>8.2f}x")
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(builtin_gguf_path(DEFAULT_MODEL)), n_ctx=2048, n_threads=threads, n_batch=512,
+                    verbose=False)
+        runs["llama.cpp"] = []
+    loads = [_load()]
+    for rep in range(args.reps):
+        for name, engine in engines.items():
+            r = {}
+            for bs in batches:
+                r[f"decode_bs{bs}"] = ours(engine, bs)
+                print(f"  {name} decode_bs{bs}: {r[f'decode_bs{bs}']:.1f} tok/s (load {_load()})", flush=True)
+            r["prefill"] = ours_prefill(engine)
+            print(f"  {name} prefill: {r['prefill']:.1f} tok/s", flush=True)
+            runs[name].append(r)
+        if hf_model is not None:
+            r = {f"decode_bs{bs}": hf(hf_model, first.tokenizer, bs) for bs in batches}
+            r["prefill"] = hf_prefill(hf_model, first.tokenizer)
+            runs["HF bf16"].append(r)
+        if llm is not None:
+            d, p = llama_cpp(llm, first.tokenizer)
+            runs["llama.cpp"].append({"decode_bs1": d, "prefill": p})
+            print(f"  llama.cpp decode_bs1: {d:.1f} tok/s, prefill {p:.1f} tok/s", flush=True)
+        loads.append(_load())
+        print(f"rep {rep}: load {loads[-1]}: " + json.dumps({k: v[-1] for k, v in runs.items()}), flush=True)
+    best = {name: {m: max(r[m] for r in rs) for m in rs[0]} for name, rs in runs.items()}
+    rows = [f"decode_bs{bs}" for bs in batches] + ["prefill"]
+    names = list(best)
+    print(f"{'tok/s (best of ' + str(args.reps) + ')':<22}" + "".join(f"{n:>16}" for n in names))
+    for row in rows:
+        print(f"{row:<22}" + "".join(f"{best[n].get(row, float('nan')):>16.1f}" for n in names))
+    lc = best.get("llama.cpp", {})
+    ratios = {}
+    for name in engines:
+        b = best[name]
+        if lc:
+            ratios[name] = {"decode_bs1 / llama.cpp bs1": b["decode_bs1"] / lc["decode_bs1"],
+                            "prefill / llama.cpp": b["prefill"] / lc["prefill"]}
+            if "decode_bs16" in b:
+                ratios[name]["decode_bs16 / llama.cpp bs1"] = b["decode_bs16"] / lc["decode_bs1"]
+            print(name, " ".join(f"{k}: {v:.2f}x" for k, v in ratios[name].items()))
+    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    flag_line = next((ln.split(":", 1)[1].split() for ln in flags.splitlines() if ln.startswith("Flags")), [])
+    model_name = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("Model name")), "")
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": model_name or platform.processor(),
+            "cpu_flags": [f for f in flag_line if f.startswith(("avx", "amx", "fma"))], "threads": threads,
+            "torch": torch.__version__, "transformers": transformers.__version__, "loadavg_1_5_15": loads,
+            "formats": formats, "reps": args.reps}
+    try:
+        import llama_cpp as _lc
+
+        meta["llama_cpp_python"] = _lc.__version__
+    except ImportError:
+        pass
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    Path(args.out).write_text(json.dumps({"meta": meta, "best": best, "ratios": ratios, "runs": runs}, indent=2))
 
 
 if __name__ == "__main__":

@@ -21,16 +21,20 @@ HELP = {
     "chunked_prefill_size": "prompt tokens per step; 0 turns chunking off",
     "tp_size": "tensor-parallel ranks, one process each (NCCL on CUDA, gloo on CPU); default: 1",
     "dist_timeout": "seconds a collective waits for a rank before the engine restarts; default: 120",
+    "dtype": "auto: bf16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else fp32",
+    "quantization": "weight-only CPU quantization; auto: a GGUF's own 4-bit weights on a bf16 CPU, else none",
+    "quant_dense_above": "quantized layers multiply a dense weight copy at steps of more rows (default: 1 under auto)",
 }
 
 
 def _choices() -> dict[str, Sequence[str]]:
     from radixlm.runtime.constrained import GRAMMAR_BACKENDS
     from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS
+    from radixlm.runtime.kernels.quant import QUANT_METHODS
     from radixlm.runtime.radix_cache import CACHES
     from radixlm.runtime.scheduler import POLICIES
 
-    return {"dtype": DTYPES, "cache": sorted(CACHES), "policy": sorted(POLICIES),
+    return {"dtype": DTYPES, "quantization": ("auto", "none", *sorted(QUANT_METHODS)), "cache": sorted(CACHES), "policy": sorted(POLICIES),
             "attention_backend": sorted(ATTENTION_BACKENDS), "grammar_backend": sorted(GRAMMAR_BACKENDS),
             "json_whitespace": JSON_WHITESPACE}
 

@@ -10,7 +10,7 @@ from typing import Any
 
 # The built-in model served when none is named (radixlm.runtime.model.source resolves it).
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: radixlm.runtime.model.formats.choose_dtype
 
 
 def default_cache_dir() -> Path:
@@ -21,8 +21,14 @@ def default_cache_dir() -> Path:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
+    # auto | none | a name in radixlm.runtime.kernels.quant.QUANT_METHODS (weight-only, CPU only);
+    # auto: the GGUF's 4-bit weights on a bf16 CPU, else none (radixlm.runtime.model.formats)
+    quantization: str = "auto"
+    # with quantized weights, steps of more rows than this multiply a dense copy kept next to
+    # them (more memory, faster batches and prefill); None: 1 under auto, no copy under int8/q4
+    quant_dense_above: int | None = None
     cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
     context_length: int | None = None  # default: the model's, capped at 8192
     seed: int = 0  # for dummy weights
@@ -31,6 +37,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quant_dense_above is not None and self.quant_dense_above < 0:
+            raise ValueError(f"quant_dense_above must be >= 0, got {self.quant_dense_above}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
 

@@ -13,6 +13,7 @@ and the fourth. The in-process Engine drives `step()` from its callers; the serv
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from radixlm.runtime.intake import Submission
 from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample_tokens, token_logprobs, with_logprobs
 from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.formats import DtypeChoice, QuantChoice, choose_dtype, choose_quantization, cpu_flags
+from radixlm.runtime.model.gguf_quant import GGUFLinears
 from radixlm.runtime.model.llama import LlamaModel
 from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model.source import ModelSource, resolve_model
@@ -46,6 +49,8 @@ from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduled, Scheduler, Status
 from radixlm.runtime.sessions import SessionManager, prepended_bos
 from radixlm.runtime.stop import StopMatcher
+
+log = logging.getLogger("radixlm.engine")
 
 __all__ = ["EngineCore", "RequestOutput"]
 
@@ -110,7 +115,8 @@ class EngineCore:
         try:  # (what can fail once the workers run; they are stopped then)
             group = None if self.workers is None else init_tp_group(
                 0, tp_size, self.workers.init_file, self.device, config.parallel.dist_timeout)
-            self.model, self.runner = build_runner(config, self.source, self.device, group)
+            self.formats = number_formats(config, self.source, self.device)
+            self.model, self.runner = build_runner(config, self.source, self.device, group, self.formats)
         except BaseException:
             if self.workers is not None:
                 self.workers.stop(grace_s=0)
@@ -164,7 +170,11 @@ class EngineCore:
             "tokenizer_path": str(self.source.tokenizer_dir),
             "context_length": self.context_length,
             "vocab_size": self.source.arch.vocab_size,
-            "dtype": self.config.model.dtype,
+            "dtype": self.formats.dtype.dtype,
+            "dtype_reason": self.formats.dtype.reason,
+            "quantization": self.formats.quant.method,
+            "quantization_reason": self.formats.quant.reason,
+            "quant_dense_above": self.formats.quant.dense_above,
             "device": str(self.device),
             "tp_size": self.config.parallel.tp_size,
             "tp_worker_pids": [] if self.workers is None else self.workers.pids,
@@ -507,16 +517,44 @@ def context_length(config: EngineConfig, model_max: int) -> int:
     return config.model.context_length or min(model_max, DEFAULT_CONTEXT_CAP)
 
 
+@dataclass(frozen=True)
+class NumberFormats:
+    """The weights' and activations' number formats this engine runs, with the GGUF file whose
+    quantized blocks the linear layers load from (None: dense weights)."""
+
+    dtype: DtypeChoice
+    quant: QuantChoice
+    gguf: GGUFLinears | None
+
+
+def number_formats(config: EngineConfig, source: ModelSource, device: torch.device) -> NumberFormats:
+    """--dtype and --quantization resolved for this device and model (docs/engine.md, "Number
+    formats"), logged with their reasons. Tensor parallelism shards dense weights, so `auto` keeps
+    them dense there."""
+    mc = config.model
+    gguf = GGUFLinears(source.gguf_path) if source.gguf_path is not None and mc.quantization != "none" else None
+    dtype = choose_dtype(mc.dtype, device.type, cpu_flags() if device.type == "cpu" else None)
+    if config.parallel.tp_size > 1 and mc.quantization == "auto":
+        quant = QuantChoice("none", None, "tensor parallelism shards dense weights")
+    else:
+        quant = choose_quantization(mc.quantization, device.type, dtype.dtype,
+                                    gguf is not None and gguf.four_bit_share() > 0.5, mc.quant_dense_above)
+    log.info("dtype %s: %s", dtype.dtype, dtype.reason)
+    log.info("quantization %s: %s", quant.method, quant.reason)
+    return NumberFormats(dtype, quant, gguf if quant.method != "none" else None)
+
+
 def build_runner(config: EngineConfig, source: ModelSource, device: torch.device,
-                 group: TPGroup | None) -> tuple[LlamaModel, ModelRunner]:
+                 group: TPGroup | None, formats: NumberFormats) -> tuple[LlamaModel, ModelRunner]:
     """The model (this rank's shard with `group`) and its runner; every rank runs this, in step,
     so the KV pool has the same number of slots on every rank (the smallest any can hold)."""
     mc, sc, gc = config.model, config.scheduler, config.cuda_graph
     if device.type == "cuda":  # compiled kernels stay in radixlm's cache: a restart loads them
         os.environ.setdefault("TRITON_CACHE_DIR", str(Path(mc.cache_dir) / "triton"))
-    dtype = getattr(torch, mc.dtype)
+    dtype = getattr(torch, formats.dtype.dtype)
     ctx = context_length(config, source.arch.max_position_embeddings)
-    model = build_model(source.arch, source.weights_dir, dtype, device, ctx, mc.seed, group)
+    model = build_model(source.arch, source.weights_dir, dtype, device, ctx, mc.seed, group, formats.quant,
+                        formats.gguf)
     num_slots = config.cache.max_total_tokens or _pool_slots(config, model.shard, dtype, device, ctx)
     if group is not None:
         num_slots = group.min_host(num_slots)
@@ -545,7 +583,7 @@ def run_tp_worker(rank: int, size: int, init_file: str, config: EngineConfig) ->
     source = resolve_model(mc.model, Path(mc.cache_dir), mc.tokenizer_path)
     device = tp_device(mc.device, rank)
     group = init_tp_group(rank, size, init_file, device, config.parallel.dist_timeout)
-    _, runner = build_runner(config, source, device, group)
+    _, runner = build_runner(config, source, device, group, number_formats(config, source, device))
     channel = StepChannel(group)
     while (step := channel.receive()) is not None:
         runner.forward(step.seqs, step.ids)

@@ -171,6 +171,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, shard.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.quant_head: nn.Module | None = None  # a weight-only quantized LM head (CPU), see loader.py
 
     def init_rope(self, max_positions: int) -> None:
         self.rope = RotaryEmbedding(self.arch, max_positions, self.embed_tokens.weight.device)
@@ -203,6 +204,8 @@ class LlamaModel(nn.Module):
         if logit_rows is not None:
             h, residual = h[logit_rows], residual[logit_rows]
         h, _ = self.norm.add_forward(h, residual)
+        if self.quant_head is not None:
+            return cast("torch.Tensor", self.quant_head(h)).float()
         return self._whole_vocab(linear(h, self.lm_head_weight).float())
 
     def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:

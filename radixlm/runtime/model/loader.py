@@ -9,7 +9,10 @@ from pathlib import Path
 import torch
 
 from radixlm.runtime.distributed.group import TPGroup
+from radixlm.runtime.kernels.quant import QUANT_METHODS
 from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.formats import QuantChoice
+from radixlm.runtime.model.gguf_quant import GGUFLinears
 from radixlm.runtime.model.llama import LlamaModel
 
 # HF tensor name suffix -> (our parameter suffix, which part of a fused tensor it fills)
@@ -134,10 +137,13 @@ def build_model(
     max_positions: int,
     seed: int = 0,
     tp: TPGroup | None = None,
+    quant: QuantChoice | None = None,
+    gguf: GGUFLinears | Path | None = None,
 ) -> LlamaModel:
     """The model with weights from `model_dir`, or random weights (std 0.02) when it is None.
     With `tp`, this rank's shard of it; dummy weights are then drawn whole, as without
-    tensor parallelism, and cut, so every tp_size runs the same model."""
+    tensor parallelism, and cut, so every tp_size runs the same model. With `quant`, its linear
+    layers weight-only quantized (from the blocks of the GGUF file `gguf`, if given); not with `tp`."""
     with torch.device("meta"):
         model = LlamaModel(arch, tp)
         whole = model if tp is None else LlamaModel(arch)
@@ -160,6 +166,40 @@ def build_model(
     else:
         with torch.no_grad():
             load_weights(model, model_dir)
+    if quant is not None and quant.method != "none":
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"--quantization {quant.method} runs on the CPU only; use --quantization none")
+        if tp is not None:
+            raise ValueError(f"--quantization {quant.method} does not shard over --tp-size; use --quantization none")
+        quantize_linears(model, quant, dtype, GGUFLinears(gguf) if isinstance(gguf, Path) else gguf)
     model.eval().requires_grad_(False)
     model.init_rope(max_positions)
     return model
+
+
+def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, gguf: GGUFLinears | None) -> None:
+    """Replace every layer's linear modules and the LM head by weight-only quantized ones: from
+    the GGUF file's own blocks when there is one, else from the loaded float weights."""
+    from torch import nn
+
+    if quant.method not in QUANT_METHODS:
+        raise ValueError(f"unknown quantization {quant.method!r}; choose one of none, {', '.join(sorted(QUANT_METHODS))}")
+    keep = quant.dense_above is not None
+    for i, layer in enumerate(model.layers):
+        for ours in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            parent_name, _, attr = ours.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            dense = getattr(parent, attr)
+            if gguf is not None:
+                new = gguf.layer(i, ours, quant.method, dtype, quant.dense_above)
+            else:
+                new = QUANT_METHODS[quant.method](dense.weight.data, dtype, dense.bias, keep_dense=keep,
+                                                  dense_above=quant.dense_above)
+            if dense.bias is not None and new.bias is None:
+                new.bias = nn.Parameter(dense.bias.data, requires_grad=False)
+            setattr(parent, attr, new)
+    if gguf is not None:
+        model.quant_head = gguf.head(quant.method, dtype, quant.dense_above)
+    else:
+        model.quant_head = QUANT_METHODS[quant.method](model.lm_head_weight.data, dtype, keep_dense=keep,
+                                                       dense_above=quant.dense_above)

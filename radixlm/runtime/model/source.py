@@ -72,6 +72,7 @@ class ModelSource:
     arch: ModelArch
     weights_dir: Path | None  # None: dummy (random) weights
     tokenizer_dir: Path
+    gguf_path: Path | None = None  # the GGUF the weights were converted from (its quantized blocks)
 
 
 def _gguf_cache_dir(gguf_path: Path, cache_dir: Path) -> Path:
@@ -97,7 +98,7 @@ def _from_gguf(name: str, gguf_path: Path, cache_dir: Path) -> ModelSource:
     out = _gguf_cache_dir(gguf_path, cache_dir)
     if not (out / "config.json").is_file():
         convert_gguf(gguf_path, out)
-    return ModelSource(name, ModelArch.from_dir(out), out, out)
+    return ModelSource(name, ModelArch.from_dir(out), out, out, gguf_path)
 
 
 def _dummy_arch(spec: str) -> ModelArch:

@@ -59,6 +59,8 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
             info = ctx.info
             log.info("ready: %s (context %s, %s KV slots) on http://%s:%d", info["model_name"],
                      info["context_length"], info["max_total_tokens"], settings.host, port)
+            log.info("dtype %s: %s", info.get("dtype"), info.get("dtype_reason"))
+            log.info("quantization %s: %s", info.get("quantization"), info.get("quantization_reason"))
             await stopping
     else:
         starting.cancel()

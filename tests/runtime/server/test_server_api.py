@@ -46,6 +46,9 @@ def test_info_routes(server: Server):
     assert server.get("/health_generate") == (200, {"status": "ok"})
     stats = server.server_info()["stats"]
     assert stats["kv_slots_total"] == 16384 and stats["running_requests"] == 0
+    engine = server.server_info()["engine"]  # an explicit --dtype is reported as such
+    assert (engine["dtype"], engine["dtype_reason"]) == ("float32", "set by --dtype")
+    assert engine["quantization"] == "none" and "float32" in engine["quantization_reason"]
 
 
 def test_model_info_tokenizer_facts(server: Server, smol_tokenizer):

@@ -1,0 +1,135 @@
+"""Weight-only quantized linear layers for the CPU: the weights stay 4 or 8 bits in memory.
+
+At batch 1 a linear layer reads every weight once per token, so its time is the weight bytes
+over memory bandwidth: 4-bit weights with a bf16 scale and zero point per 32 (0.625 bytes per
+weight, the GGUF Q4_1 size) are read ~3x faster than bf16. The products run in torch's CPU
+kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`); benchmarks/quant_kernels.py
+measured them against dense bf16 at the default model's shapes (docs/benchmarks.md): about 2x
+faster at one row, but 1.7-2.5x slower from 16 rows up, where the dense matmul is compute-bound
+and these kernels are not tuned. So a layer may keep a dense copy of its weights for steps of
+more rows than `dense_above` (memory for speed; `None`: no copy, the quantized kernel always).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP = 32  # weights per scale/zero pair in int4 (the GGUF Q4_0/Q4_1 block)
+
+
+class WeightOnlyLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W held quantized; subclasses define the quantized product."""
+
+    method = ""
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None,
+                 dense: torch.Tensor | None, dense_above: int | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
+        self.dense_above = dense_above
+
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.dense is not None and self.dense_above is not None and rows.shape[0] > self.dense_above:
+            return F.linear(x, self.dense, self.bias)
+        y = self.quantized_mm(rows.contiguous())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.method}, in={self.in_features}, out={self.out_features}, dense_above={self.dense_above}"
+
+
+class Int8Linear(WeightOnlyLinear):
+    """int8 weights with one scale per output row (symmetric), `_weight_int8pack_mm`."""
+
+    method = "int8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None, dense_above: int | None = None) -> None:
+        super().__init__(qweight.shape[0], qweight.shape[1], bias, dense, dense_above)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return out
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   keep_dense: bool = False, dense_above: int | None = None) -> Int8Linear:
+        """Quantize a float [N, K] weight: per row, scale = max|w| / 127."""
+        w = weight.float()
+        scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales.to(dtype), _opt(bias, dtype), weight.to(dtype) if keep_dense else None, dense_above)
+
+
+class Int4Linear(WeightOnlyLinear):
+    """4-bit weights in groups of 32 along K, w = (q - 8) * scale + zero, `_weight_int4pack_mm_for_cpu`."""
+
+    method = "q4"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
+                 dense_above: int | None = None) -> None:
+        """`q`: [N, K] integers in 0..15; `scales`, `zeros`: [N, K / 32] (the real-valued w for q)."""
+        n, k = q.shape
+        if k % GROUP or scales.shape != (n, k // GROUP) or zeros.shape != scales.shape:
+            raise ValueError(f"int4 weights need K divisible by {GROUP} and one scale/zero per group; "
+                             f"got q {tuple(q.shape)}, scales {tuple(scales.shape)}")
+        super().__init__(n, k, bias, dense, dense_above)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.register_buffer("packed", packed)
+        # the kernel wants [K / group, N, 2] in the activation dtype
+        self.register_buffer("scales_zeros", torch.stack([scales.T, zeros.T], -1).to(dtype).contiguous())
+
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return out
+
+    @classmethod
+    def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
+                    bias: torch.Tensor | None = None, keep_dense: bool = False,
+                    dense_above: int | None = None) -> Int4Linear:
+        """From w = scale * q + minimum per group (GGUF Q4_1; Q4_0 and Q4_K map onto it)."""
+        s, m = scale.float(), minimum.float()
+        dense = None
+        if keep_dense:
+            dense = (q.float().view(*s.shape, GROUP) * s[..., None] + m[..., None]).view(q.shape).to(dtype)
+        return cls(q, s, m + 8 * s, dtype, _opt(bias, dtype), dense, dense_above)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   keep_dense: bool = False, dense_above: int | None = None) -> Int4Linear:
+        """Quantize a float [N, K] weight per group of 32 between its min and max (as Q4_1)."""
+        n, k = weight.shape
+        if k % GROUP:
+            raise ValueError(f"q4 needs input sizes divisible by {GROUP}; this layer has {k}")
+        g = weight.float().view(n, k // GROUP, GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        out = cls.from_affine(q, scale, lo, dtype, bias, keep_dense=False, dense_above=dense_above)
+        if keep_dense:
+            out.dense = nn.Parameter(weight.to(dtype), requires_grad=False)
+        return out
+
+
+def _opt(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+# --quantization method -> how a float [N, K] weight becomes a quantized layer
+QuantizeFn = Callable[..., WeightOnlyLinear]
+QUANT_METHODS: dict[str, QuantizeFn] = {"int8": Int8Linear.from_float, "q4": Int4Linear.from_float}

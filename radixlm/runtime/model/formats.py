@@ -1,0 +1,112 @@
+"""Which number format the model runs in: the activation dtype per processor and whether the
+weights stay quantized. Each choice comes with the reason, logged at start and served by
+/get_server_info.
+
+- dtype `auto`: bf16 on CUDA; on a CPU, bf16 where it multiplies bf16 natively (the
+  avx512_bf16 or amx_bf16 flags, `bf16` on Arm), else fp32 (AVX2-only processors emulate bf16
+  matmuls, ~3x slower than fp32 at 64 rows). Without readable CPU flags a tiny matmul is timed
+  in both dtypes.
+- quantization `auto`: on a CPU in bf16, a GGUF model whose linear weights are 4-bit runs from
+  them (int4 at steps of few rows, a dense copy above); everything else keeps dense weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+# Steps of more rows than this use the dense copy under --quantization auto: torch's int4 CPU
+# kernel is ~2x faster than a bf16 matmul at one row and slower from a few rows up
+# (benchmarks/quant_kernels.py, docs/benchmarks.md).
+AUTO_DENSE_ABOVE = 1
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str  # a torch dtype name
+    reason: str
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    method: str  # "none" or a name in radixlm.runtime.kernels.quant.QUANT_METHODS
+    dense_above: int | None  # steps of more rows multiply a dense copy; None: no copy
+    reason: str
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
+    """The processor's feature flags (x86 `flags`, Arm `Features`), or None if unreadable."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return None
+
+
+def bf16_matmul_speedup() -> float:
+    """fp32 time / bf16 time of a [64, 576] x [576, 1536] matmul, best of a few runs."""
+    import torch
+
+    def best(dtype: torch.dtype) -> float:
+        a, b = torch.randn(64, 576).to(dtype), torch.randn(576, 1536).to(dtype)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(torch.float32) / best(torch.bfloat16)
+
+
+def choose_dtype(requested: str, device: str, flags: frozenset[str] | None,
+                 measure: Callable[[], float] = bf16_matmul_speedup) -> DtypeChoice:
+    """The activation/weight dtype for `requested` (`auto` or a dtype name) on `device`."""
+    if requested != "auto":
+        return DtypeChoice(requested, "set by --dtype")
+    if device.startswith("cuda"):
+        return DtypeChoice("bfloat16", "CUDA: bf16 tensor cores")
+    if flags is not None:
+        native = [f for f in BF16_FLAGS if f in flags]
+        if native:
+            return DtypeChoice("bfloat16", f"the CPU multiplies bf16 natively ({', '.join(native)})")
+        return DtypeChoice("float32", "the CPU has no native bf16 (no avx512_bf16/amx_bf16): "
+                                      "bf16 matmuls would be emulated, slower than fp32")
+    speedup = measure()
+    if speedup >= 1.0:
+        return DtypeChoice("bfloat16", f"CPU flags unreadable; a bf16 matmul timed {speedup:.2f}x fp32's speed")
+    return DtypeChoice("float32", f"CPU flags unreadable; a bf16 matmul timed {speedup:.2f}x fp32's speed")
+
+
+def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: bool,
+                        dense_above: int | None = None) -> QuantChoice:
+    """Whether linear weights stay quantized. `gguf_four_bit`: the model comes from a GGUF whose
+    linear weights are mostly Q4_0/Q4_1/Q4_K; `dense_above`: --quant-dense-above, if given."""
+    from radixlm.runtime.kernels.quant import QUANT_METHODS
+
+    on_cuda = device.startswith("cuda")
+    if requested not in ("auto", "none", *QUANT_METHODS):
+        raise ValueError(f"unknown --quantization {requested!r}; choose one of auto, none, "
+                         + ", ".join(sorted(QUANT_METHODS)))
+    if requested == "none":
+        return QuantChoice("none", None, "set by --quantization")
+    if requested != "auto":
+        if on_cuda:
+            raise ValueError(f"--quantization {requested} runs on the CPU only; on CUDA use --quantization none")
+        return QuantChoice(requested, dense_above, "set by --quantization")
+    if on_cuda:
+        return QuantChoice("none", None, "CUDA runs dense bf16 weights (its triton kernels)")
+    if dtype != "bfloat16":
+        return QuantChoice("none", None, f"torch's int4/int8 CPU kernels are slow with {dtype} activations")
+    if not gguf_four_bit:
+        return QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
+    rows = AUTO_DENSE_ABOVE if dense_above is None else dense_above
+    return QuantChoice("q4", rows, f"the GGUF's 4-bit weights, used as they are for steps of up to {rows} "
+                                   "rows (the int4 kernel reads 3x fewer bytes), a dense bf16 copy above")

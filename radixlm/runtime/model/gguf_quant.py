@@ -1,0 +1,133 @@
+"""A GGUF file's linear weights as weight-only quantized layers, read from its blocks.
+
+4-bit blocks (Q4_0, Q4_1, Q4_K) become int4 layers without a float round trip: each block of 32
+weights is w = scale * q + minimum with q in 0..15 (Q4_0: minimum = -8 * scale; Q4_K: per
+32-weight sub-block, scale = d * sc and minimum = -dmin * m from its 6-bit scales), which is
+the int4 kernel's own form. Other tensors (Q8_0, Q6_K, F16, ...) are dequantized to fp32 by the
+`gguf` package and quantized to int8 per row, keeping the precision their author chose.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixlm.runtime.kernels.quant import Int4Linear, Int8Linear, WeightOnlyLinear
+from radixlm.runtime.model.gguf_convert import _unpermute_rope_rows
+
+# our fused layer -> the GGUF tensors it stacks (rows in this order)
+_LAYER_PARTS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """A [..., 2] uint8 field as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def four_bit_blocks(kind: str, data: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q [n, k] uint8 in 0..15, scale [n, k/32], minimum [n, k/32]) of a 4-bit GGUF tensor's raw
+    bytes, so that w = scale * q + minimum per 32 weights along k."""
+    if kind in ("Q4_0", "Q4_1"):
+        size = 18 if kind == "Q4_0" else 20
+        raw = data.reshape(n, k // 32, size)
+        scale = _f16(raw[..., 0:2])
+        minimum = -8 * scale if kind == "Q4_0" else _f16(raw[..., 2:4])
+        qs = raw[..., size - 16 :]
+        q = np.concatenate([qs & 0xF, qs >> 4], -1).reshape(n, k)
+        return q, scale, minimum
+    if kind == "Q4_K":
+        raw = data.reshape(n, k // 256, 144)
+        d, dmin = _f16(raw[..., 0:2]), _f16(raw[..., 2:4])
+        sc = raw[..., 4:16].astype(np.int32)
+        s = np.empty((*sc.shape[:-1], 8), np.int32)
+        m = np.empty_like(s)
+        s[..., :4], m[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
+        s[..., 4:] = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
+        m[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+        qs = raw[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 weights: low nibbles, then high
+        q = np.stack([qs & 0xF, qs >> 4], 3).reshape(n, k)
+        scale = (d[..., None] * s).reshape(n, k // 32)
+        minimum = (-dmin[..., None] * m).reshape(n, k // 32)
+        return q, scale, minimum
+    raise ValueError(f"{kind} is not a 4-bit GGUF type ({', '.join(FOUR_BIT)})")
+
+
+class GGUFLinears:
+    """The linear weights of one Llama GGUF file, by layer, as quantized modules."""
+
+    def __init__(self, path: Path) -> None:
+        """Reads the file's header (parsing its metadata takes seconds: open it once per load)."""
+        import gguf
+
+        self.reader = gguf.GGUFReader(str(path))
+        self.tensors: dict[str, Any] = {t.name: t for t in self.reader.tensors}
+        heads = self.reader.fields["llama.attention.head_count"].contents()
+        kv_heads = self.reader.fields["llama.attention.head_count_kv"].contents()
+        self.permute = {"attn_q": int(heads), "attn_k": int(kv_heads)}
+
+    def four_bit_share(self) -> float:
+        """The share of the layers' linear weights (by count) stored in a 4-bit type."""
+        parts = sum(_LAYER_PARTS.values(), ())
+        kinds = [t.tensor_type.name for name, t in self.tensors.items()
+                 if name.startswith("blk.") and name.split(".")[2] in parts]
+        return sum(k in FOUR_BIT for k in kinds) / max(1, len(kinds))
+
+    def _parts(self, names: list[str]) -> list[tuple[str, Any]]:
+        out = []
+        for name in names:
+            t = self.tensors.get(name)
+            if t is None:
+                raise ValueError(f"GGUF file has no tensor {name!r}")
+            out.append((name, t))
+        return out
+
+    def build(self, names: list[str], method: str, dtype: torch.dtype, dense_above: int | None) -> WeightOnlyLinear:
+        """One layer whose weight stacks the rows of the GGUF tensors `names`."""
+        import gguf
+
+        parts = self._parts(names)
+        keep = dense_above is not None
+        kinds = {t.tensor_type.name for _, t in parts}
+        if method == "q4" and kinds <= set(FOUR_BIT):
+            qs, scales, mins = [], [], []
+            for name, t in parts:
+                k, n = (int(d) for d in t.shape)
+                q, s, m = four_bit_blocks(t.tensor_type.name, np.asarray(t.data), n, k)
+                heads = self.permute.get(name.split(".")[-2])
+                if heads is not None:  # llama.cpp's interleaved-RoPE row order back to HF's
+                    q, s, m = (_unpermute_rope_rows(a, heads) for a in (q, s, m))
+                qs.append(q)
+                scales.append(s)
+                mins.append(m)
+            return Int4Linear.from_affine(
+                torch.from_numpy(np.concatenate(qs)).to(torch.int32), torch.from_numpy(np.concatenate(scales)),
+                torch.from_numpy(np.concatenate(mins)), dtype, keep_dense=keep, dense_above=dense_above)
+        rows = []
+        for name, t in parts:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
+                [int(d) for d in reversed(t.shape)])
+            heads = self.permute.get(name.split(".")[-2])
+            rows.append(_unpermute_rope_rows(w, heads) if heads is not None else w)
+        weight = torch.from_numpy(np.ascontiguousarray(np.concatenate(rows)))
+        return Int8Linear.from_float(weight, dtype, keep_dense=keep, dense_above=dense_above)
+
+    def layer(self, index: int, ours: str, method: str, dtype: torch.dtype,
+              dense_above: int | None) -> WeightOnlyLinear:
+        names = [f"blk.{index}.{p}.weight" for p in _LAYER_PARTS[ours]]
+        return self.build(names, method, dtype, dense_above)
+
+    def head(self, method: str, dtype: torch.dtype, dense_above: int | None) -> WeightOnlyLinear:
+        name = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+        return self.build([name], method, dtype, dense_above)
+
+
+LAYER_LINEARS = tuple(_LAYER_PARTS)

@@ -1,0 +1,73 @@
+"""The number-format decisions: dtype per processor, and when weights stay quantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from radixlm.runtime.model.formats import AUTO_DENSE_ABOVE, choose_dtype, choose_quantization, cpu_flags
+
+AVX2 = frozenset({"fpu", "sse4_2", "avx", "avx2", "fma"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+
+
+def _no_measure() -> float:
+    raise AssertionError("flags were readable: nothing to measure")
+
+
+@pytest.mark.parametrize(("requested", "device", "flags", "dtype", "why"), [
+    ("auto", "cpu", AVX512 | {"avx512_bf16"}, "bfloat16", "avx512_bf16"),  # AMD Zen 4, Intel Cooper Lake
+    ("auto", "cpu", AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16", "amx_bf16"),  # Sapphire Rapids
+    ("auto", "cpu", AVX512, "float32", "no native bf16"),  # Skylake-X / Ice Lake servers
+    ("auto", "cpu", AVX2, "float32", "no native bf16"),  # AVX2-only (older EPYC VMs)
+    ("auto", "cpu", frozenset({"fp", "asimd", "bf16", "i8mm"}), "bfloat16", "bf16"),  # Arm Neoverse V1+
+    ("auto", "cpu", frozenset({"fp", "asimd"}), "float32", "no native bf16"),  # older Arm
+    ("auto", "cuda", None, "bfloat16", "CUDA"),
+    ("float32", "cpu", AVX512 | {"avx512_bf16"}, "float32", "--dtype"),  # explicit dtypes win
+    ("bfloat16", "cpu", AVX2, "bfloat16", "--dtype"),
+    ("float16", "cuda", None, "float16", "--dtype"),
+])
+def test_dtype_table(requested, device, flags, dtype, why):
+    choice = choose_dtype(requested, device, flags, measure=_no_measure)
+    assert choice.dtype == dtype and why in choice.reason
+
+
+@pytest.mark.parametrize(("speedup", "dtype"), [(2.5, "bfloat16"), (1.0, "bfloat16"), (0.35, "float32")])
+def test_dtype_measured_when_flags_unreadable(speedup, dtype):
+    choice = choose_dtype("auto", "cpu", None, measure=lambda: speedup)
+    assert choice.dtype == dtype and f"{speedup:.2f}x" in choice.reason
+
+
+def test_cpu_flags_from_cpuinfo(tmp_path: Path):
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
+                   "processor\t: 1\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert cpu_flags(x86) == frozenset({"fpu", "avx2", "avx512f", "avx512_bf16"})
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\nCPU implementer\t: 0x41\n")
+    assert cpu_flags(arm) == frozenset({"fp", "asimd", "bf16"})
+    assert cpu_flags(tmp_path / "missing") is None
+    assert choose_dtype("auto", "cpu", cpu_flags(arm), measure=_no_measure).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(("requested", "device", "dtype", "four_bit", "method", "dense_above"), [
+    ("auto", "cpu", "bfloat16", True, "q4", AUTO_DENSE_ABOVE),  # the default model on a bf16 CPU
+    ("auto", "cpu", "float32", True, "none", None),  # int4/int8 kernels are slow with fp32 activations
+    ("auto", "cpu", "bfloat16", False, "none", None),  # safetensors / 8-bit GGUF: dense
+    ("auto", "cuda", "bfloat16", True, "none", None),  # CUDA keeps its triton path
+    ("none", "cpu", "bfloat16", True, "none", None),
+    ("q4", "cpu", "float32", False, "q4", None),  # explicit: as asked, no dense copy
+    ("int8", "cpu", "bfloat16", True, "int8", None),
+])
+def test_quantization_table(requested, device, dtype, four_bit, method, dense_above):
+    choice = choose_quantization(requested, device, dtype, four_bit)
+    assert (choice.method, choice.dense_above) == (method, dense_above) and choice.reason
+
+
+def test_quantization_errors():
+    with pytest.raises(ValueError, match="CPU only"):
+        choose_quantization("q4", "cuda", "bfloat16", True)
+    with pytest.raises(ValueError, match="--quantization"):
+        choose_quantization("int3", "cpu", "bfloat16", True)
+    assert choose_quantization("q4", "cpu", "bfloat16", True, dense_above=8).dense_above == 8

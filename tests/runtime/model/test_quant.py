@@ -1,0 +1,129 @@
+"""Weight-only quantized linears: GGUF 4-bit blocks read exactly, products within the
+quantization's error, and the default model from its own Q4_1 weights."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.runtime.batch import SeqStep
+from radixlm.runtime.kernels.quant import Int4Linear, Int8Linear
+from radixlm.runtime.model.formats import QuantChoice
+from radixlm.runtime.model.gguf_quant import four_bit_blocks
+from radixlm.runtime.model.loader import build_model
+from radixlm.runtime.model_runner import ModelRunner
+
+BLOCK = {"Q4_0": (32, 18, [(0, 2)]), "Q4_1": (32, 20, [(0, 2), (2, 4)]), "Q4_K": (256, 144, [(0, 2), (2, 4)])}
+
+
+def _random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random raw bytes of a [n, k] tensor of `kind`, with small finite f16 scale fields."""
+    size, nbytes, f16_fields = BLOCK[kind]
+    raw = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
+    for lo, hi in f16_fields:
+        raw[..., lo:hi] = rng.uniform(0.001, 0.05, (n, k // size, 1)).astype(np.float16).view(np.uint8)
+    if kind == "Q4_1":  # the block minimum is negative in practice
+        raw[..., 2:4] = (-rng.uniform(0.0, 0.3, (n, k // size, 1))).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_four_bit_blocks_match_gguf_dequantize(kind):
+    n, k = 6, 512
+    data = _random_blocks(kind, n, k, np.random.default_rng(0))
+    q, scale, minimum = four_bit_blocks(kind, data, n, k)
+    assert q.shape == (n, k) and q.max() <= 15 and scale.shape == minimum.shape == (n, k // 32)
+    ours = (q.reshape(n, k // 32, 32) * scale[..., None] + minimum[..., None]).reshape(n, k)
+    ref = gguf.quants.dequantize(data, getattr(gguf.GGMLQuantizationType, kind)).reshape(n, k)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_linear_from_blocks_equals_dequantized_product(kind, dtype):
+    n, k = 64, 512
+    data = _random_blocks(kind, n, k, np.random.default_rng(1))
+    q, scale, minimum = four_bit_blocks(kind, data, n, k)
+    layer = Int4Linear.from_affine(torch.from_numpy(q).to(torch.int32), torch.from_numpy(scale),
+                                   torch.from_numpy(minimum), dtype)
+    w = torch.from_numpy(gguf.quants.dequantize(data, getattr(gguf.GGMLQuantizationType, kind)).reshape(n, k))
+    x = torch.randn(3, k)
+    ref = x @ w.T
+    got = layer(x.to(dtype)).float()
+    # bf16: the activations, scales and zero points are rounded to 8 bits of mantissa
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (got - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("method", ["int8", "q4"])
+def test_from_float_within_quantization_error_and_dense_above(method):
+    torch.manual_seed(0)
+    w = torch.randn(96, 256) * 0.02
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    cls = Int8Linear if method == "int8" else Int4Linear
+    layer = cls.from_float(w, torch.bfloat16, keep_dense=True, dense_above=2)
+    ref = F.linear(x.float(), w)
+    one = layer(x[:1]).float()  # quantized kernel (1 row <= 2)
+    rel = (one - ref[:1]).abs().max().item() / ref.abs().max().item()
+    # expected error of a dot product of 256 terms: int8 (step max/127) ~1%, int4 (step range/15) ~10%
+    assert rel < (0.02 if method == "int8" else 0.15)
+    assert rel > 1e-4  # the quantized path really ran (a dense bf16 product would be ~1e-3 from fp32)
+    many = layer(x)  # 5 rows > 2: the dense copy
+    assert torch.equal(many, F.linear(x, w.to(torch.bfloat16)))
+    # without a dense copy, every row count goes through the quantized kernel
+    plain = cls.from_float(w, torch.bfloat16)
+    assert plain.dense is None and torch.allclose(plain(x)[:1].float(), one, atol=1e-2)
+
+
+def test_q4_needs_groups_of_32():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear.from_float(torch.randn(8, 40), torch.bfloat16)
+
+
+# -- the default model from its shipped Q4_1 GGUF --------------------------------------------
+CHATS = [
+    ([{"role": "user", "content": "What is the capital of France?"}], "Paris"),
+    ([{"role": "user", "content": "What is 2 + 3? Answer with the number."}], "5"),
+]
+
+
+def _ids(tokenizer, chat):
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _greedy(model, tokenizer, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    runner = ModelRunner(model, num_slots=1024, max_requests=2, max_context=2048)
+    logits = runner.forward([SeqStep(0, 0, ids, list(range(1, len(ids) + 1)), len(ids) - 1, prefix_slots=[])])
+    first = logits[-1].clone()
+    out: list[int] = []
+    while len(out) < n:
+        out.append(int(logits[-1].argmax()))
+        if out[-1] == tokenizer.eos_token_id:
+            break
+        pos = len(ids) + len(out) - 1
+        logits = runner.forward([SeqStep(0, pos, [out[-1]], [pos + 1], 0)])
+    return out, first
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["q4", "int8"])
+def test_default_model_quantized_logits_and_greedy(default_source, smol_tokenizer, method):
+    src = default_source
+    dense = build_model(src.arch, src.weights_dir, torch.float32, "cpu", max_positions=2048)
+    quant = build_model(src.arch, src.weights_dir, torch.bfloat16, "cpu", max_positions=2048,
+                        quant=QuantChoice(method, None, "test"), gguf=src.gguf_path)
+    assert type(quant.layers[0].mlp.down_proj).__name__ == ("Int4Linear" if method == "q4" else "Int8Linear")
+    for chat, answer in CHATS:
+        ids = _ids(smol_tokenizer, chat)
+        ref_out, ref_logits = _greedy(dense, smol_tokenizer, ids, 24)
+        out, logits = _greedy(quant, smol_tokenizer, ids, 24)
+        # q4 reads the very Q4_1 values the dense model was converted from: what is left is bf16
+        # activations and the LM head (Q8_0 -> int8 per row); int8 requantizes every layer
+        rel = (logits - ref_logits).abs().max().item() / ref_logits.abs().max().item()
+        assert rel < (0.05 if method == "q4" else 0.1), rel
+        assert int(logits.argmax()) == int(ref_logits.argmax())
+        assert answer in smol_tokenizer.decode(out), smol_tokenizer.decode(out)

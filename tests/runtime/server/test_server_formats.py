@@ -1,0 +1,36 @@
+"""The server with the default number formats (--dtype auto, --quantization auto) reports what it
+chose and why, in /get_server_info and /server_info and in its start-up log, and serves with it."""
+
+from __future__ import annotations
+
+import pytest
+from server_harness import start_server
+
+from radixlm.runtime.model.formats import choose_dtype, choose_quantization, cpu_flags
+
+pytestmark = pytest.mark.slow
+
+
+def test_auto_formats_reported_and_served():
+    server = start_server("--max-total-tokens", "4096", "--context-length", "1024")
+    try:
+        expected = choose_dtype("auto", "cpu", cpu_flags())
+        quant = choose_quantization("auto", "cpu", expected.dtype, gguf_four_bit=True)  # the default model: Q4_1
+        for route in ("/get_server_info", "/server_info"):
+            status, info = server.get(route)
+            engine = info["engine"]
+            assert status == 200
+            assert (engine["dtype"], engine["dtype_reason"]) == (expected.dtype, expected.reason)
+            assert (engine["quantization"], engine["quantization_reason"]) == (quant.method, quant.reason)
+            assert engine["quant_dense_above"] == quant.dense_above
+            assert info["engine_config"]["model"]["dtype"] == "auto"
+        assert server.get("/get_model_info")[1]["dtype"] == expected.dtype
+        out = server.generate({"text": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                                       "<|im_start|>assistant\n",
+                               "sampling_params": {"temperature": 0, "max_new_tokens": 12}})
+        assert "Paris" in out["text"]
+    finally:
+        log = server.log()
+        assert server.stop() == 0
+    assert f"dtype {expected.dtype}: {expected.reason}" in log
+    assert f"quantization {quant.method}: {quant.reason}" in log
