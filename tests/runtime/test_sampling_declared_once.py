@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -119,6 +120,9 @@ def test_the_openapi_schema_describes_every_field_from_the_declaration():
     assert schemas["ChatCompletionRequest"]["properties"]["temperature"]["anyOf"][0]["maximum"] == 2  # OpenAI's
 
 
+VOCAB = SimpleNamespace(vocab_size=1 << 20)  # what _params reads of the server's tokenizer (logit_bias ids)
+
+
 def test_the_openai_routes_take_every_openai_field_by_its_openai_name():
     assert {name for name, p in PARAMS.items() if p.openai is not None} == set(OPENAI.values())
     assert OPENAI["max_tokens"] == "max_new_tokens" and OPENAI["min_tokens"] == "min_new_tokens"
@@ -126,21 +130,21 @@ def test_the_openai_routes_take_every_openai_field_by_its_openai_name():
         assert set(OPENAI) <= set(fields)
     free = {theirs: other_value(name, openai=True) for theirs, name in OPENAI.items()
             if name not in CONSTRAINT_FIELDS and theirs not in ("n", "max_tokens")}
-    params = openai_api._params(openai_api._sampling(free, 3, 9, 16))
+    params = openai_api._params(openai_api._sampling(free, 3, 9, 16), VOCAB)
     assert params.n == 3 and params.max_new_tokens == 9
     for theirs, value in free.items():
         assert getattr(params, OPENAI[theirs]) == stored(OPENAI[theirs], value), theirs
     for theirs, name in OPENAI.items():
         if name in CONSTRAINT_FIELDS:
-            got = openai_api._params(openai_api._sampling({theirs: other_value(name, openai=True)}, 1, None, 16))
+            got = openai_api._params(openai_api._sampling({theirs: other_value(name, openai=True)}, 1, None, 16), VOCAB)
             assert getattr(got, name) == stored(name, other_value(name, openai=True))
     # left out: the runtime's defaults, not restated by the route
-    assert openai_api._params(openai_api._sampling({}, 1, None, 16)) == SamplingParams(max_new_tokens=16)
+    assert openai_api._params(openai_api._sampling({}, 1, None, 16), VOCAB) == SamplingParams(max_new_tokens=16)
 
 
 def test_openai_errors_name_the_openai_field():
     with pytest.raises(ApiError) as err:
-        openai_api._params(openai_api._sampling({"min_tokens": 9}, 1, 4, 16))
+        openai_api._params(openai_api._sampling({"min_tokens": 9}, 1, 4, 16), VOCAB)
     assert err.value.message.startswith("min_tokens must be <= max_tokens") and err.value.param == "min_tokens"
     with pytest.raises(ApiError) as err:
         openai_api._sampling({"temperature": 2.5}, 1, None, 16)
