@@ -532,13 +532,17 @@ def number_formats(config: EngineConfig, source: ModelSource, device: torch.devi
     formats"), logged with their reasons. Tensor parallelism shards dense weights, so `auto` keeps
     them dense there."""
     mc = config.model
-    gguf = GGUFLinears(source.gguf_path) if source.gguf_path is not None and mc.quantization != "none" else None
     dtype = choose_dtype(mc.dtype, device.type, cpu_flags() if device.type == "cpu" else None)
     if config.parallel.tp_size > 1 and mc.quantization == "auto":
-        quant = QuantChoice("none", None, "tensor parallelism shards dense weights")
+        quant, gguf = QuantChoice("none", None, "tensor parallelism shards dense weights"), None
     else:
-        quant = choose_quantization(mc.quantization, device.type, dtype.dtype,
-                                    gguf is not None and gguf.four_bit_share() > 0.5, mc.quant_dense_above)
+        def choose(four_bit: bool) -> QuantChoice:
+            return choose_quantization(mc.quantization, device.type, dtype.dtype, four_bit, mc.quant_dense_above)
+
+        # the GGUF header takes seconds to parse: only where a 4-bit file could change the choice
+        may_quantize = source.gguf_path is not None and choose(True).method != "none"
+        gguf = GGUFLinears(source.gguf_path) if may_quantize and source.gguf_path is not None else None
+        quant = choose(gguf is not None and gguf.four_bit_share() > 0.5)
     log.info("dtype %s: %s", dtype.dtype, dtype.reason)
     log.info("quantization %s: %s", quant.method, quant.reason)
     return NumberFormats(dtype, quant, gguf if quant.method != "none" else None)
