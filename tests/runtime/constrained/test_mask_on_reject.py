@@ -75,4 +75,8 @@ def test_logprob_rows_are_masked_first(engines):
     ref = eager.generate(prompt, params, return_logprob=True)
     assert lazy.core.grammar.masks_skipped == skipped
     assert got["output_ids"] == ref["output_ids"]
-    assert got["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
+    # Same tokens; logprob values agree to float rounding (each engine's radix cache holds a different
+    # prefix from the earlier tests, so the extend shapes and their float sums differ).
+    got_lp, ref_lp = got["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, *_ in got_lp] == [t for _, t, *_ in ref_lp]
+    assert [v for v, *_ in got_lp] == pytest.approx([v for v, *_ in ref_lp], abs=1e-4)
