@@ -1,24 +1,31 @@
-"""JSON extraction on a real model on the GPU: free text vs json_schema, with and without
-jump-forward, at batch 1 (prompts one at a time) / 16 / 64 (docs/benchmarks.md, "Structured output on the GPU with real
+"""JSON extraction on a real model on the GPU: free text vs json_schema (jumps by the measured
+cost, every jump, no jump, and masks only on a rejected greedy token), at batch 1 (prompts one at a time) / 16 / 64 (docs/benchmarks.md, "Structured output on the GPU with real
 weights"). Random weights force nothing past the first key, so jump-forward cannot pay off there;
 the default model's own weights (its GGUF file) write the records benchmarks/structured_output.py
 asks for, whose keys and punctuation the schema forces.
 
     python3 benchmarks/gpu_real_structured.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf [--out results.json]
+        [--profile]   (then: where a bs64 json_schema run spends host time, cProfile)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import dataclasses
 import json
+import pstats
 import time
 from typing import Any
 
 from structured_output import SCHEMA, _valid, prompts
 
+from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.engine import Engine
 
 OUT = 96
+MODES = ["free", "json_schema", "json_schema, every jump", "json_schema, no jump-forward",
+         "json_schema, mask on reject"]
 
 
 def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str, Any]:
@@ -27,9 +34,18 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
         params["ignore_eos"] = True
     else:
         params.update(json_schema=json.dumps(SCHEMA), jump_forward=mode != "json_schema, no jump-forward")
+    core = engine.core
+    policy, config = core.output.jump_policy, core.grammar.config
+    if mode == "json_schema, every jump":
+        core.output.jump_policy = JumpPolicy()
+    if mode == "json_schema, mask on reject":
+        core.grammar.config = dataclasses.replace(config, mask_on_reject=True)
     engine.flush_cache()
     t0 = time.perf_counter()
-    outs = [engine.generate(c, params) for c in chats] if one_at_a_time else engine.generate(chats, params)
+    try:
+        outs = [engine.generate(c, params) for c in chats] if one_at_a_time else engine.generate(chats, params)
+    finally:
+        core.output.jump_policy, core.grammar.config = policy, config
     dt = time.perf_counter() - t0
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     passes = sum(o["meta_info"]["forward_passes"] for o in outs)
@@ -44,11 +60,15 @@ def main() -> None:
     ap.add_argument("--bs1-prompts", type=int, default=8, help="prompts run one at a time for batch 1")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     engine = Engine(args.model, device=args.device, dtype="bfloat16", max_running_requests=128)
     engine.core.warm_up()
-    modes = ["free", "json_schema", "json_schema, no jump-forward"]
-    res: dict[str, Any] = {}
+    p = engine.core.output.jump_policy
+    print(f"jump policy: decode step {1e3 * p.decode_s:.2f} ms, extend penalty {1e3 * p.penalty_s:.2f} ms, "
+          f"min gain at 1/16/64 running: {p.min_gain(1)}/{p.min_gain(16)}/{p.min_gain(64)}", flush=True)
+    modes = MODES
+    res: dict[str, Any] = {"jump_policy": dataclasses.asdict(p)}
     for bs in (int(b) for b in args.batches.split(",")):
         chats, alone = (prompts(args.bs1_prompts), True) if bs == 1 else (prompts(bs), False)
         for mode in modes:
@@ -59,11 +79,19 @@ def main() -> None:
         res[bs] = {m: max(rs, key=lambda r: r["out_tok_s"]) for m, rs in runs.items()}
         row = {m: r["out_tok_s"] for m, r in res[bs].items()}
         j = res[bs]["json_schema"]
-        print(f"bs{bs}: free {row['free']:.0f} / json_schema {row['json_schema']:.0f} "
-              f"({row['json_schema'] / row['free']:.2f}x, passes/out {j['passes_per_output']:.1f} for "
-              f"{j['tokens_per_output']:.1f} tokens, valid {j['valid']}/{j['n']}) / no jump-forward "
-              f"{row['json_schema, no jump-forward']:.0f} ({row['json_schema, no jump-forward'] / row['free']:.2f}x) out tok/s",
-              flush=True)
+        valid = "/".join(f"{r['valid']}" for m, r in res[bs].items() if m != "free")
+        print(f"bs{bs}: free {row['free']:.0f} out tok/s; " + "; ".join(
+            f"{m} {row[m]:.0f} ({row[m] / row['free']:.2f}x)" for m in modes[1:])
+            + f"; json_schema passes/out {j['passes_per_output']:.1f} for {j['tokens_per_output']:.1f} tokens;"
+            f" valid {valid} of {j['n']}", flush=True)
+    if args.profile:
+        chats = prompts(64)
+        prof = cProfile.Profile()
+        prof.enable()
+        r = run(engine, chats, "json_schema", False)
+        prof.disable()
+        print(f"profiled bs64 json_schema: {r['out_tok_s']:.0f} out tok/s", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.constrained.registry import check_grammar_backend
 from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.cuda_graph import graph_buckets
@@ -60,6 +63,9 @@ DEFAULT_CONTEXT_CAP = 8192
 # specialized on rows % 16; more: cuBLAS; the extend attention at several lengths).
 _WARM_UP_GREEDY = SamplingParams(max_new_tokens=3, temperature=0)
 _WARM_UP_SAMPLED = SamplingParams(max_new_tokens=3, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
+# The jump-cost probe: requests of a jump's size (a few tokens extended, then decoded), timed alone.
+_JUMP_PROBES, _JUMP_PROBE_TOKENS = 3, 8
+_JUMP_PROBE_PARAMS = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 _WARM_UP_WAVES = [[1], [5], [16], [17], [40], [512], [3, 9], [4] * 16, [4] * 17, [6] * 40]
 
 
@@ -133,10 +139,10 @@ class EngineCore:
         self.eos_ids = frozenset(arch.eos_token_ids) | ({eos} if eos is not None else set())
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)
         jump_cap = config.constraint.jump_forward_max_running
-        if jump_cap is None:
-            jump_cap = 1 if self.device.type == "cuda" else sc.max_running_requests
+        if jump_cap is None and self.device.type == "cuda":  # until warm_up measures what a jump costs
+            jump_cap = 1
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self.grammar, self.context_length,
-                                      self._finish_turn, jump_cap)
+                                      self._finish_turn, JumpPolicy(max_running=jump_cap))
         self.requests: dict[str, EngineRequest] = {}
         self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
         self._ahead: StepRun | None = None
@@ -199,9 +205,35 @@ class EngineCore:
                 self.add_request(Submission(f"warm-up-{w}-{i}", [bos] * min(n, cap), params))
             while self.has_work:
                 self.step()
+        if self.device.type == "cuda":
+            self.output.jump_policy = self._measure_jump_cost()
         self.cache.reset()
         self.steps = 0
         self.output.totals.prompt_tokens = self.output.totals.cached_tokens = 0
+
+    def _measure_jump_cost(self) -> JumpPolicy:
+        """What a jump costs here (JumpPolicy): one request alone, timed step by step with its
+        host work, whose first step extends a few tokens (as a jump does) and whose later steps
+        decode one; the cheapest of a few tries."""
+        vocab = self.source.arch.vocab_size
+        extend, decode = [], []
+        for k in range(_JUMP_PROBES):
+            prompt = [(1000 + 97 * (k * _JUMP_PROBE_TOKENS + j)) % vocab for j in range(_JUMP_PROBE_TOKENS)]
+            self.add_request(Submission(f"warm-up-jump-{k}", prompt, _JUMP_PROBE_PARAMS))
+            times = []
+            while self.has_work:
+                t0 = time.perf_counter()
+                self.step()
+                torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - t0)
+            extend.append(times[0])
+            decode.extend(times[2:])  # (the second step queues the third's forward ahead: two passes)
+        decode_s = statistics.median(decode)
+        policy = JumpPolicy(decode_s, max(0.0, min(extend) - decode_s), self.config.constraint.jump_forward_max_running)
+        log.info("jump-forward: an extend step costs %.2f ms more than a %.2f ms decode step: a jump must add "
+                 ">= %d forced tokens per running request", 1e3 * policy.penalty_s, 1e3 * decode_s,
+                 policy.min_gain(1) or 0)
+        return policy
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, sub: Submission) -> None:

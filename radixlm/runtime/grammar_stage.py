@@ -178,16 +178,17 @@ class GrammarStage:
         self.tokens += len(reqs)
         return out
 
-    def after_token(self, req: EngineRequest, limit: int, floor: int, jump: bool = True) -> GrammarStep:
+    def after_token(self, req: EngineRequest, limit: int, floor: int, min_gain: int | None = 1) -> GrammarStep:
         """After an accepted token: the jump over the text the grammar now forces (the output
-        may grow to ``limit`` tokens; tokens before ``floor`` stay; none unless ``jump``), and
-        whether the output is complete with only a stop token allowed next."""
+        may grow to ``limit`` tokens; tokens before ``floor`` stay; a jump adds at least
+        ``min_gain`` tokens; None: no jump), and whether the output is complete with only a stop
+        token allowed next."""
         matcher = req.matcher
         assert matcher is not None
         t0 = time.perf_counter()
         planned = None
-        if req.jump_forward and jump:
-            planned = self.service.jump_forward.jump(matcher, req.output_ids, floor, limit)
+        if req.jump_forward and min_gain is not None:
+            planned = self.service.jump_forward.jump(matcher, req.output_ids, floor, limit, min_gain)
         done = False
         if matcher.is_completed():
             # the next step's row, filled now: it also says whether only a stop token may follow

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.request import EngineRequest
@@ -55,10 +56,10 @@ class Totals:
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, scheduler: Scheduler, grammar: GrammarStage, context_length: int,
-                 on_finish: Callable[[EngineRequest], dict[str, Any]], jump_max_running: int) -> None:
+                 on_finish: Callable[[EngineRequest], dict[str, Any]], jump_policy: JumpPolicy) -> None:
         """``on_finish``: called once per finished request, returns extra meta (its session turn);
-        ``jump_max_running``: jump forward only while at most this many requests run."""
-        self.jump_max_running = jump_max_running
+        ``jump_policy``: when a jump over forced text pays (the engine measures it at start-up)."""
+        self.jump_policy = jump_policy
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.grammar = grammar
@@ -131,7 +132,7 @@ class OutputProcessor:
         grammar is complete and allows nothing but a stop token)."""
         limit = min(req.params.max_new_tokens, self.context_length - len(req.prompt_ids))
         floor = max(req.tree_len - len(req.prompt_ids), 0)
-        step = self.grammar.after_token(req, limit, floor, len(self.scheduler.running) <= self.jump_max_running)
+        step = self.grammar.after_token(req, limit, floor, self.jump_policy.min_gain(len(self.scheduler.running)))
         text, matched = "", None
         if step.jump is not None:
             text, matched = self._apply_jump(req, step.jump.keep, list(step.jump.new_ids), step.jump.text)

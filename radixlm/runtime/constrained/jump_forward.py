@@ -20,13 +20,14 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixlm.runtime.constrained.grammar import GrammarMatcher
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
-__all__ = ["MAX_JUMP_CHARS", "Jump", "JumpForward"]
+__all__ = ["MAX_JUMP_CHARS", "Jump", "JumpForward", "JumpPolicy"]
 
 DEFAULT_WINDOW = 8  # output tokens before the forced text that may be re-tokenized
 # Forced characters one jump takes at most: bounds the re-tokenizing work of one step; a longer
@@ -41,6 +42,28 @@ class Jump:
     keep: int
     new_ids: tuple[int, ...]
     text: str
+
+
+@dataclass(frozen=True)
+class JumpPolicy:
+    """When a jump pays for itself. A jump turns its step into an extend step for the whole batch,
+    ``penalty_s`` longer than a decode step of ``decode_s`` (on CUDA: eager instead of a CUDA graph,
+    measured at start-up; on the CPU about nothing). It spares the jumping row the forward passes
+    of its ``gain`` forced tokens and of the step after them, each worth a ``1/running`` share of a
+    decode step. So a jump needs ``(gain + 1) * decode_s / running > penalty_s``; and never while
+    more than ``max_running`` requests run (an explicit cap; None: the cost alone decides)."""
+
+    decode_s: float = 1.0
+    penalty_s: float = 0.0
+    max_running: int | None = None
+
+    def min_gain(self, running: int) -> int | None:
+        """The fewest forced tokens a jump must add while ``running`` requests run; None: no jump."""
+        if self.max_running is not None and running > self.max_running:
+            return None
+        if self.penalty_s <= 0:
+            return 1
+        return max(1, math.floor(running * self.penalty_s / self.decode_s))
 
 
 def _strict_prefixes(decoded: Sequence[bytes]) -> frozenset[bytes]:
@@ -78,11 +101,13 @@ class JumpForward:
             start += 1
         return start
 
-    def jump(self, matcher: GrammarMatcher, output_ids: Sequence[int], floor: int, limit: int) -> Jump | None:
+    def jump(self, matcher: GrammarMatcher, output_ids: Sequence[int], floor: int, limit: int,
+             min_gain: int = 1) -> Jump | None:
         """Advance ``matcher`` over the forced text and return the token change, or None (no change).
 
         ``output_ids`` are all output tokens, every one accepted by ``matcher``; tokens before
-        ``floor`` must not change; the output may grow to at most ``limit`` tokens.
+        ``floor`` must not change; the output may grow to at most ``limit`` tokens; a jump that
+        would add fewer than ``min_gain`` tokens is not taken (the mask forces them one a step).
 
         The forced text asked of the matcher is bounded by what ``limit`` can still hold (tokens
         times the longest token's bytes) and by ``MAX_JUMP_CHARS``; grammars whose forced text is
@@ -110,7 +135,7 @@ class JumpForward:
             n -= 1
         n = min(n, limit - start)
         kept_bytes = b"".join(pieces[:n])
-        if len(kept_bytes) <= len(old_bytes):
+        if len(kept_bytes) <= len(old_bytes) or n - len(old) < min_gain:
             return None
         try:
             text = kept_bytes.decode("utf-8")[len(old_text):]

@@ -215,6 +215,21 @@ def test_jump_forward_appends_the_forced_tokens(smol_tokenizer, llg, vocab):
     assert jump.text + m.forced_text() == ',"status":"'  # the matcher took the new tokens
 
 
+def test_a_jump_short_of_min_gain_is_not_taken(smol_tokenizer, llg, vocab):
+    """JumpPolicy's floor: a jump adding fewer tokens than asked leaves the matcher as it was."""
+    jf = JumpForward(vocab, lambda text: smol_tokenizer.encode(text, add_special_tokens=False))
+    out = _ids(smol_tokenizer, '{"id":5,"customer":{"name":"x"}')
+    probe = llg.compile("json_schema", ORDER).new_matcher()
+    assert _feed(probe, out) is None
+    gain = len(jf.jump(probe, out, 0, 100).new_ids)  # (nothing re-tokenized here: keep == len(out))
+    m = llg.compile("json_schema", ORDER).new_matcher()
+    _feed(m, out)
+    assert jf.jump(m, out, 0, 100, min_gain=gain + 1) is None
+    assert m.forced_text() == ',"status":"'  # untouched
+    jump = jf.jump(m, out, 0, 100, min_gain=gain)
+    assert jump is not None and len(jump.new_ids) == gain
+
+
 # --- compiling: grammar forms, JSON layout, errors ------------------------------------------
 
 
