@@ -3,7 +3,7 @@
 # "Structured output on the GPU with real weights"). The GGUF (94 MiB) is over one call's 64 MiB,
 # so it travels in three parts (.gpu_assets/p1 p2 p3: `head -c`/`tail -c` of the file), each call
 # right after the last on the same warm machine: `... keep p1` (carry .whl and .gpu_assets/p1:
-# installs the wheels too), `... keep p2` (carry .gpu_assets/p2), then `... run` (carry .gpu_assets/p3).
+# installs the wheels too), `... keep p2` (carry .gpu_assets/p2), then `... run [tests]` (carry .gpu_assets/p3).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 KEEP=/tmp/keep  # outside the tree: the next call syncs the tree again
@@ -18,4 +18,9 @@ cat "$KEEP/p1" "$KEEP/p2" .gpu_assets/p3 > /tmp/smol.gguf || exit 1
 sha256sum /tmp/smol.gguf
 export PYTHONPATH=$PWD:$PWD/benchmarks:$KEEP/site PYTHONUNBUFFERED=1 RADIXLM_CACHE=/tmp/radixlm-cache
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 420 python3 benchmarks/gpu_real_structured.py --model /tmp/smol.gguf --out "$OUT/gpu_real_structured.json" 2>&1 | grep -v Warning | tail -12
+timeout 360 python3 benchmarks/gpu_real_structured.py --model /tmp/smol.gguf --profile \
+  --out "$OUT/gpu_real_structured.json" 2>&1 | grep -v Warning > "$OUT/gpu_real_structured.log"
+grep -E "^(jump|bs|profiled)" "$OUT/gpu_real_structured.log"; grep -A24 "ncalls" "$OUT/gpu_real_structured.log" | cut -c1-150
+if [ "${2:-}" = tests ]; then  # `... run tests`: then the GPU tests, on the same machine
+  RADIXLM_TOKENIZER=$PWD/.gpu_assets/tokenizer timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/gpu -k "not flashinfer" 2>&1 | tail -4
+fi
