@@ -2,16 +2,18 @@
 # Structured output with the default model's real weights on a lent GPU (docs/benchmarks.md,
 # "Structured output on the GPU with real weights"). The GGUF (94 MiB) is over one call's 64 MiB,
 # so it travels in three parts (.gpu_assets/p1 p2 p3: `head -c`/`tail -c` of the file), each call
-# right after the last on the same warm machine: `... keep p1` (carry .whl and .gpu_assets/p1:
-# installs the wheels too), `... keep p2` (carry .gpu_assets/p2), then `... run [tests]` (carry .gpu_assets/p3).
+# right after the last on the same warm machine: `... keep p1` (carry .gpu_assets/p1), `... keep p2`
+# (carry .gpu_assets/p2), then `... run [tests]` (carry .gpu_assets/p3, .gpu_assets/tokenizer and
+# .whl: one call carries 64 MiB at most, the tracked files included).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 KEEP=/tmp/keep  # outside the tree: the next call syncs the tree again
+mkdir -p "$KEEP"
+if [ -d .whl ] && [ ! -d "$KEEP/site" ]; then  # whichever call carries the wheels installs them
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$KEEP/site" .whl/*.whl || exit 1
+fi
 if [ "${1:-}" = keep ]; then
-  mkdir -p "$KEEP" && mv ".gpu_assets/$2" "$KEEP/" || exit 1
-  if [ ! -d "$KEEP/site" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$KEEP/site" .whl/*.whl || exit 1
-  fi
+  mv ".gpu_assets/$2" "$KEEP/" || exit 1
   ls "$KEEP"; exit 0
 fi
 cat "$KEEP/p1" "$KEEP/p2" .gpu_assets/p3 > /tmp/smol.gguf || exit 1
