@@ -113,11 +113,11 @@ class JumpForward:
         times the longest token's bytes) and by ``MAX_JUMP_CHARS``; grammars whose forced text is
         endless are refused when they compile (``limits.grammar_bounds``)."""
         room = limit - len(output_ids)
-        if room <= 0:
+        if room < max(min_gain, 1):
             return None
         forced = matcher.forced_text(min(room * self._max_token_bytes, MAX_JUMP_CHARS))
-        if not forced:
-            return None
+        if not forced or len(forced.encode("utf-8")) < min_gain:
+            return None  # (each token spells a byte at least: too few bytes for min_gain, no need to re-tokenize)
         dec = self.vocab.decoded
         start = self._window_start(output_ids, floor)
         old = list(output_ids[start:])

@@ -225,6 +225,7 @@ def test_a_jump_short_of_min_gain_is_not_taken(smol_tokenizer, llg, vocab):
     m = llg.compile("json_schema", ORDER).new_matcher()
     _feed(m, out)
     assert jf.jump(m, out, 0, 100, min_gain=gain + 1) is None
+    assert jf.jump(m, out, 0, 100, min_gain=len(',"status":"') + 1) is None  # fewer forced bytes than that
     assert m.forced_text() == ',"status":"'  # untouched
     jump = jf.jump(m, out, 0, 100, min_gain=gain)
     assert jump is not None and len(jump.new_ids) == gain
