@@ -36,17 +36,16 @@ class RMSNorm(nn.Module):
 
             return fused.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32, scale in the model dtype (HF's order, so bf16 results match).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); on CUDA the sum is written into `residual`."""
+        """(norm(x + residual), x + residual); the sum is written into `residual`."""
         if x.is_cuda:
             from radixlm.runtime.kernels import fused
 
             return fused.rms_norm(x, self.weight, self.eps, residual), residual
-        summed = x + residual
+        summed = residual.add_(x)
         return self.forward(summed), summed
 
 
@@ -82,10 +81,9 @@ class Attention(nn.Module):
     def attend(self, qkv: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend) -> torch.Tensor:
         """Attention output [T, q_size] (before o_proj) from the fused q/k/v projection."""
         a = self.arch
-        q, k, v = torch.split(qkv, [a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q, k = rotary.apply(q.view(-1, a.num_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim))
-        v = v.view(-1, a.num_kv_heads, a.head_dim)
-        return backend.forward(self.layer, q, k, v)
+        heads = qkv.view(qkv.shape[0], a.num_heads + 2 * a.num_kv_heads, a.head_dim)  # q, k, v heads
+        q, k = rotary.apply(heads[:, : a.num_heads + a.num_kv_heads], a.num_heads)
+        return backend.forward(self.layer, q, k, heads[:, a.num_heads + a.num_kv_heads :])
 
 
 class MLP(nn.Module):
@@ -102,7 +100,7 @@ class MLP(nn.Module):
             out: torch.Tensor = self.down_proj(fused.silu_mul(gate_up))
             return out
         gate, up = gate_up.chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate).mul_(up))
         return out
 
 
