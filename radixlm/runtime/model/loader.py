@@ -198,6 +198,7 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
             if dense.bias is not None and new.bias is None:
                 new.bias = nn.Parameter(dense.bias.data, requires_grad=False)
             setattr(parent, attr, new)
+    model.rebind()
     if gguf is not None:
         model.quant_head = gguf.head(quant.method, dtype, quant.dense_above)
     else:

@@ -39,6 +39,10 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(device)
         self.max_positions = max_positions
 
+        half = arch.head_dim // 2
+        # sin with the first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin
+        self.signed_sin = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
+
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each token, shaped [T, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
@@ -47,32 +51,41 @@ class RotaryEmbedding:
         """What every layer of one forward needs to rotate its q and k."""
         if positions.is_cuda:  # the fused kernel reads the fp32 tables by position
             return RotaryBatch(positions, self.cos, self.sin, fused=True)
-        cos, sin = self.tables(positions, dtype)
-        return RotaryBatch(positions, cos, sin, fused=False)
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        signed_sin = self.signed_sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return RotaryBatch(positions, cos, signed_sin, fused=False)
 
 
 @dataclass(frozen=True)
 class RotaryBatch:
-    """One forward's rotary inputs: per-token cos/sin in the model dtype, or (fused, CUDA) the
-    positions and the whole fp32 tables."""
+    """One forward's rotary inputs: per-token cos and signed sin (`RotaryEmbedding.signed_sin`)
+    [T, 1, d] in the model dtype, or (fused, CUDA) the positions and the whole fp32 cos/sin tables."""
 
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     fused: bool
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated q [T, heads, d] and k [T, kv_heads, d] (in place when fused)."""
+    def apply(self, qk: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated q [T, num_heads, d] and k [T, kv_heads, d] from qk [T, num_heads + kv_heads, d]
+        (a view of the q/k/v projection; rotated in place when fused). On the CPU q and k rotate
+        together: x * cos + swap_halves(x) * signed_sin, rounded as `apply_rotary` rounds (one
+        fused addcmul would round once less, and flipped the default model's q4 answer to a
+        prompt whose top two logits are one bf16 step apart)."""
         if self.fused:
             from radixlm.runtime.kernels import fused
 
+            q, k = qk[:, :num_heads], qk[:, num_heads:]
             fused.rotary_(q, k, self.positions, self.cos, self.sin)
             return q, k
-        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        t, heads, d = qk.shape
+        swapped = qk.reshape(t, heads, 2, d // 2).flip(2).view(t, heads, d)
+        rotated = qk * self.cos + swapped * self.sin
+        return rotated[:, :num_heads], rotated[:, num_heads:]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
+    """x: [T, heads, head_dim] (the textbook form; the reference in tests)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -2,6 +2,11 @@
 
 Decode tokens (one new token per sequence) are batched into one padded call; each extend
 (prefill) segment gets its own call with a causal mask offset by its cached prefix.
+
+In the decode call, the query heads that share a KV head take the place of the query length
+([B, kv_heads, heads / kv_heads, d] against [B, kv_heads, L, d]): every query of a sequence sees
+the same keys, so this is the same attention, and PyTorch's CPU kernel runs it 5-7x faster than
+one query per head with `enable_gqa` (SmolLM2's 9 heads over 3 KV heads, 128-1024 keys, bf16).
 """
 
 from __future__ import annotations
@@ -35,11 +40,17 @@ class TorchAttention:
             self.decode_tokens = (
                 slice(starts[0], starts[0] + len(starts)) if contiguous else torch.tensor(starts, device=device)
             )
-            valid = torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None]
-            # padded positions read slot 0 (zeros), never a stale or unwritten slot
-            self.decode_kv_idx = torch.where(valid, meta.req_to_token[rows, :max_kv], 0).flatten()
             self.decode_shape = (len(decode), max_kv, self.pool.k.shape[2], self.head_dim)
-            self.decode_mask = valid[:, None, None, :]
+            self.decode_mask: torch.Tensor | None = None
+            if all(meta.kv_lens[i] == max_kv for i in decode):  # no padding (always so at batch 1)
+                self.decode_kv_idx = meta.req_to_token[rows, :max_kv].flatten()
+            else:
+                valid = torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None]
+                # padded positions read slot 0 (zeros), never a stale or unwritten slot
+                self.decode_kv_idx = torch.where(valid, meta.req_to_token[rows, :max_kv], 0).flatten()
+                self.decode_mask = valid[:, None, None, :]
+        # a step of decodes only: the decode call's output is the whole output
+        self.decode_only = bool(decode) and len(decode) == meta.num_seqs
         self.extends: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for i in range(meta.num_seqs):
             q_len, kv_len = meta.q_lens[i], meta.kv_lens[i]
@@ -58,16 +69,11 @@ class TorchAttention:
         meta = self.meta
         self.pool.write(layer, meta.out_slots, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        if self.decode_only:
+            return self._decode(q[self.decode_tokens], k_cache, v_cache).reshape(q.shape[0], -1)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if self.decode_tokens is not None:
-            qd = q[self.decode_tokens].unsqueeze(2)  # [B, H, 1, d]
-            # index_select is several times faster than advanced indexing on CPU
-            kd = k_cache.index_select(0, self.decode_kv_idx).view(self.decode_shape).transpose(1, 2)
-            vd = v_cache.index_select(0, self.decode_kv_idx).view(self.decode_shape).transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale, enable_gqa=True
-            )
-            out[self.decode_tokens] = od.squeeze(2)
+            out[self.decode_tokens] = self._decode(q[self.decode_tokens], k_cache, v_cache)
         for start, q_len, kv_idx, mask in self.extends:
             qe = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
             ke = k_cache.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)
@@ -77,3 +83,13 @@ class TorchAttention:
             )
             out[start : start + q_len] = oe.squeeze(0).transpose(0, 1)
         return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Attention of the decode queries q [B, heads, d] -> [B, heads, d]."""
+        b, _, kv_heads, d = self.decode_shape
+        qd = q.reshape(b, kv_heads, self.num_heads // kv_heads, d)  # heads sharing a KV head as queries
+        # index_select is several times faster than advanced indexing on CPU
+        kd = k_cache.index_select(0, self.decode_kv_idx).view(self.decode_shape).transpose(1, 2)
+        vd = v_cache.index_select(0, self.decode_kv_idx).view(self.decode_shape).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale)
+        return od.reshape(b, self.num_heads, d)

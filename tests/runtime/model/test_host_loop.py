@@ -1,0 +1,55 @@
+"""The CPU layer loop over bound modules (LlamaModel._forward_host) runs the same ops as the
+decoder layers as modules (`_forward_modules`, the CUDA path above the few-row kernels): the
+same results to the bit, dense and with weight-only quantized linears swapped in after the
+loop had bound the dense ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm.runtime.kernels.attention.base import AttentionMeta
+from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
+from radixlm.runtime.kernels.kv_pool import KVPool
+from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.formats import QuantChoice
+from radixlm.runtime.model.llama import LlamaModel
+from radixlm.runtime.model.loader import build_model, quantize_linears
+
+ARCH = ModelArch(family="llama", vocab_size=96, hidden_size=128, intermediate_size=192, num_layers=3, num_heads=4,
+                 num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+                 tie_word_embeddings=True, attention_bias=True)
+
+
+def _both_paths(model: LlamaModel, dtype: torch.dtype) -> None:
+    """Prefill 12 tokens, then 3 decode steps; each step through both loops from the same state."""
+    pool = KVPool(model.shard, 64, dtype, "cpu")
+    table = torch.zeros((1, 64), dtype=torch.int64)
+    table[0, :16] = torch.arange(1, 17)
+    att = TorchAttention(pool, ARCH.num_heads, ARCH.head_dim)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, ARCH.vocab_size, (15,), generator=gen)
+    assert model.rope is not None
+    for start, end in [(0, 12), (12, 13), (13, 14), (14, 15)]:
+        att.prepare(AttentionMeta(torch.arange(start + 1, end + 1), table, [0], [0], [end - start], [end]))
+        with torch.inference_mode():
+            h = model.embed_tokens(ids[start:end])
+            rotary = model.rope.batch(torch.arange(start, end), h.dtype)
+            mod_h, mod_res = model._forward_modules(h.clone(), rotary, att)
+            host_h, host_res = model._forward_host(h.clone(), rotary, att)
+        assert torch.equal(mod_h, host_h) and torch.equal(mod_res, host_res)
+        assert mod_h.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_loop_equals_module_path(dtype):
+    model = build_model(ARCH, None, dtype, "cpu", max_positions=256, seed=1)
+    _both_paths(model, dtype)
+
+
+def test_host_loop_rebinds_after_quantization():
+    model = build_model(ARCH, None, torch.bfloat16, "cpu", max_positions=256, seed=1)
+    dense = model.host_layers()[0].qkv
+    quantize_linears(model, QuantChoice("q4", None, "test"), torch.bfloat16, None)
+    assert model.host_layers()[0].qkv != dense  # bound to the quantized layer now
+    _both_paths(model, torch.bfloat16)
