@@ -15,6 +15,17 @@ for step in "$@"; do
   case $step in
     sched) python3 benchmarks/run_program.py --scheduling --programs 64 --rounds 2 --dtype bfloat16 \
              --server-args "$SERVER" --out "$OUT/program_scheduling_gpu.json" 2>&1 | tee "$OUT/sched.log" ;;
+    # Programs arriving over time (Poisson) into servers capped at 16 running requests, below the
+    # demand (one ToT program alone forks 27 leaves). The 64 programs take ~500 bs16 steps of ~6 ms
+    # (H100 bs1 decode: ~5.8 ms a step with the host's work), ~3 s, so ~20 programs/s: 24/s loads
+    # the cap about fully, 48/s overloads it ~2x; the programs arrive over ~2.7 s and ~1.3 s.
+    # ~100 s a rate (4 server starts). ARRIVE_RATES and ARRIVE_ARGS (more server flags, e.g.
+    # "--policy fcfs") change them.
+    arrive) for rate in ${ARRIVE_RATES:-24 48}; do
+              python3 benchmarks/run_program.py --scheduling --programs 64 --rounds 2 --dtype bfloat16 \
+                --arrival-rate "$rate" --server-args "$SERVER --max-running-requests 16 ${ARRIVE_ARGS:-}" \
+                --out "$OUT/program_arrivals_r$rate.json" 2>&1 | tee "$OUT/arrive_r$rate.log"
+            done ;;
     ways) python3 benchmarks/run_program.py --sizes 1,32 --repeats 3 --dtype bfloat16 \
             --server-args "$SERVER" --out "$OUT/run_program_gpu.json" 2>&1 | tee "$OUT/ways.log" ;;
   esac

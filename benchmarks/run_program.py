@@ -11,14 +11,18 @@ programs (run_batch), reporting wall time per program (1) and per batch (32).
 
 Without --url it starts `radixlm serve` on 127.0.0.1 (float32, default model) and stops it after.
 
-    python benchmarks/run_program.py --scheduling [--programs 64] [--rounds 2]
-        [--out benchmarks/results/program_scheduling.json]
+    python benchmarks/run_program.py --scheduling [--programs 64] [--rounds 2] [--arrival-rate R]
+        [--seed S] [--out benchmarks/results/program_scheduling.json]
 
 Program-aware scheduling on vs off: two fresh servers side by side (`--program-scheduling on`
-and `off`), each sent the same batch at the same moment, for --rounds; the three workloads mixed
-(program i is workload i % 3), all --programs sent at once as /run_program requests;
-p50/p90/p99/max of each program's latency (from its request to its response) and the wall time
-of the whole batch.
+and `off`), for --rounds; the three workloads mixed (program i is workload i % 3), sent as
+/run_program requests. With --arrival-rate 0 (the default) all --programs are sent at once;
+with R > 0 they arrive over time, Poisson at R programs per second (exponential gaps drawn from
+random.Random(--seed)), into a server that is busy with the earlier ones (give it a
+--max-running-requests cap below the demand in --server-args to queue them). Both servers get
+the same graphs on the same schedule, at the same moments. p50/p90/p99/max/mean of each
+program's latency (from its own send to its response) and the wall time from the first send to
+the last response.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -134,11 +139,23 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-async def program_latencies(url: str, graphs: list[str]) -> tuple[list[float], float]:
-    """Send every graph at once to /run_program (greedy); each one's latency and the batch's wall time."""
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s after the start) of n programs: Poisson arrivals at ``rate`` per second, the
+    first at 0; all at 0 when rate is 0."""
+    rng = random.Random(seed)
+    times = [0.0]
+    for _ in range(n - 1):
+        times.append(times[-1] + (rng.expovariate(rate) if rate > 0 else 0.0))
+    return times
+
+
+async def program_latencies(url: str, graphs: list[str], start: float, sends: list[float]) -> tuple[list[float], float]:
+    """Send each graph to /run_program (greedy) at ``start + sends[i]`` (perf_counter seconds); each
+    program's latency from its own send, and the wall time from ``start`` to the last response."""
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        async def one(graph: str) -> float:
+        async def one(graph: str, send: float) -> float:
+            await asyncio.sleep(max(start + send - time.perf_counter(), 0.0))
             t0 = time.perf_counter()
             body = {"graph": json.loads(graph), "sampling_defaults": {"temperature": 0}}
             async with http.post(url + "/run_program", json=body) as resp:
@@ -147,32 +164,32 @@ async def program_latencies(url: str, graphs: list[str]) -> tuple[list[float], f
                     raise RuntimeError(f"program failed: {out}")
             return time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        lat = await asyncio.gather(*(one(g) for g in graphs))
-        return list(lat), time.perf_counter() - t0
+        lat = await asyncio.gather(*(one(g, t) for g, t in zip(graphs, sends)))
+        return list(lat), time.perf_counter() - start
 
 
-async def side_by_side(urls: list[str], graphs: list[str]) -> list[tuple[list[float], float]]:
-    """The same batch sent to each server at the same moment."""
-    return list(await asyncio.gather(*(program_latencies(url, graphs) for url in urls)))
+async def side_by_side(urls: list[str], graphs: list[str], sends: list[float]) -> list[tuple[list[float], float]]:
+    """The same graphs sent to each server on the same schedule, from the same moment."""
+    start = time.perf_counter()
+    return list(await asyncio.gather(*(program_latencies(url, graphs, start, sends) for url in urls)))
 
 
 def scheduling(args: argparse.Namespace) -> dict[str, Any]:
-    """p50/p99 program latency at --programs concurrent programs, program scheduling on vs off:
-    two servers side by side, each sent the same batch at the same moment (so load from elsewhere
-    hits both alike)."""
+    """p50/p99 program latency of --programs programs, program scheduling on vs off: two servers
+    side by side, sent the same graphs on the same schedule (so load from elsewhere hits both alike)."""
     funcs = list(WORKLOADS.values())
     graphs = [funcs[i % 3].trace(i).to_json() for i in range(args.programs)]
+    sends = arrival_times(args.programs, args.arrival_rate, args.seed)
     runs: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
     for _ in range(args.rounds):
         servers = {mode: start_server(["--dtype", args.dtype, "--program-scheduling", mode,
                                        *args.server_args.split()]) for mode in ("on", "off")}
         try:
             urls = [url for _, url in servers.values()]
-            asyncio.run(side_by_side(urls, graphs[:3]))  # warm-up: one program of each kind
+            asyncio.run(side_by_side(urls, graphs[:3], [0.0] * 3))  # warm-up: one program of each kind
             for url in urls:
                 flush(url)
-            results = asyncio.run(side_by_side(urls, graphs))
+            results = asyncio.run(side_by_side(urls, graphs, sends))
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -183,11 +200,12 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
             runs[mode].append(row)
             print(f"program scheduling {mode:3s}: {args.programs} programs  p50 {row['p50']:7.2f} s  "
                   f"p90 {row['p90']:7.2f} s  p99 {row['p99']:7.2f} s  max {row['max']:7.2f} s  "
-                  f"batch {wall:7.2f} s", flush=True)
+                  f"mean {row['mean']:7.2f} s  wall {wall:7.2f} s", flush=True)
     best = {mode: {k: min(r[k] for r in rows) for k in rows[0]} for mode, rows in runs.items()}
     ratio = {k: best["off"][k] / best["on"][k] for k in best["on"]}
     print("off / on (best of rounds): " + "  ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
-    return {"runs": runs, "best": best, "off_over_on": ratio}
+    return {"arrival_rate": args.arrival_rate, "seed": args.seed, "last_send": sends[-1],
+            "runs": runs, "best": best, "off_over_on": ratio}
 
 
 def main() -> None:
@@ -205,7 +223,12 @@ def main() -> None:
     ap.add_argument("--scheduling", action="store_true", help="program-aware scheduling on vs off")
     ap.add_argument("--programs", type=int, default=64, help="--scheduling: concurrent programs")
     ap.add_argument("--rounds", type=int, default=2, help="--scheduling: on/off pairs (fresh servers)")
+    ap.add_argument("--arrival-rate", type=float, default=0.0,
+                    help="--scheduling: programs per second, Poisson arrivals (0: all sent at once)")
+    ap.add_argument("--seed", type=int, default=0, help="--scheduling: the arrival times' random seed")
     args = ap.parse_args()
+    if args.arrival_rate < 0:
+        ap.error(f"--arrival-rate must be >= 0 (0: all at once), got {args.arrival_rate}")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpu": platform.processor(),
             "cores": os.cpu_count(), "load_average": os.getloadavg(), "model": f"SmolLM2-135M-Instruct {args.dtype}",
             "server_args": args.server_args,

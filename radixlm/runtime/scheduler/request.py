@@ -69,7 +69,7 @@ class Request:
     retractions: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     program: ProgramTag | None = None
-    passed_over: int = 0  # admissions of running programs' requests preferred over this one while it waited
+    passed_over: int = 0  # admissions that overtook it (in the policy's order) while it waited
 
     @property
     def fill_ids(self) -> list[int]:

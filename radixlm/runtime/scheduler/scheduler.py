@@ -370,16 +370,14 @@ class Scheduler:
             m = self.cache.match_prefix(req.fill_ids[:limit])
             req.prefix_hint, req.node = len(m.slots), m.node
 
-    def _order(self) -> list[Request]:
+    def _policy_order(self) -> list[Request]:
+        """The waiting requests in the scheduling policy's order."""
         policy = self.config.policy
         if policy == "lpm" and len(self.waiting) > self.config.lpm_max_queue:
             policy = "fcfs"
         if policy != "fcfs":
             self._refresh_matches()
-        order = POLICIES[policy](self.waiting)
-        if not self.config.program_scheduling:
-            return order
-        return self._program_order(order)
+        return POLICIES[policy](self.waiting)
 
     def _program_order(self, order: list[Request]) -> list[Request]:
         """``order`` regrouped: requests past the fairness bound first (in the policy's order), then
@@ -401,10 +399,12 @@ class Scheduler:
         rest = [r for r in order if r.passed_over < bound and not self._preferred(r)]
         return urgent + preferred + rest
 
-    def _jumps(self, req: Request) -> bool:
-        """req goes ahead of the policy's order because its program runs (and it is not past the bound)."""
-        return self.config.program_scheduling and req.passed_over < self.config.program_fairness \
-            and self._preferred(req)
+    def _passes(self, req: Request, rank: dict[int, int]) -> list[Request]:
+        """The waiting requests that admitting req now overtakes: those before it in the policy's
+        order (``rank``); none when program scheduling is off (then the policy's order is kept)."""
+        if not self.config.program_scheduling:
+            return []
+        return [r for r in self.waiting if rank[id(r)] < rank[id(req)]]
 
     def _expected_need(self, req: Request, cached: int) -> int:
         """Slots req is expected to still take: its uncomputed prompt plus a share of its output."""
@@ -415,16 +415,15 @@ class Scheduler:
         in_flight = [r for r in self.running if len(r.slots) < r.fill_len or not r.output_ids]
         reserved = sum(self._expected_need(r, 0) for r in self.running)
         headroom = self.allocator.num_free + self.cache.evictable_size() - reserved
-        order = self._order()
-        # how many requests may still go ahead because their program runs: each such admission
-        # counts against every request left waiting, none of which may pass program_fairness
-        allowance = min((self.config.program_fairness - r.passed_over for r in order), default=0)
-        jumped = 0
+        policy_order = self._policy_order()
+        rank = {id(r): i for i, r in enumerate(policy_order)}
+        order = self._program_order(policy_order) if self.config.program_scheduling else policy_order
         for req in order:
             if budget <= 0 or not self.free_rows:
                 break
-            jumps = self._jumps(req)
-            if jumps and allowance <= 0:
+            # a request may overtake (as its program runs) only those still below program_fairness
+            passed = self._passes(req, rank)
+            if any(r.passed_over >= self.config.program_fairness for r in passed):
                 continue
             limit = min(req.fill_len - 1, req.first_logit_pos())
             match = self.cache.match_prefix(req.fill_ids[:limit])
@@ -462,11 +461,8 @@ class Scheduler:
             out.append(s)
             in_flight.append(req)
             self._admitted(req)
-            if jumps:
-                allowance -= 1
-                jumped += 1
-        for r in self.waiting:
-            r.passed_over += jumped
+            for r in passed:
+                r.passed_over += 1
         return out
 
     @staticmethod

@@ -77,6 +77,20 @@ def test_requests_without_a_program_are_never_preferred_but_not_starved():
     assert order.index("plain") == 3  # passed over by exactly program_fairness = 2 later arrivals
 
 
+def test_the_fairness_bound_counts_only_requests_actually_overtaken():
+    """a1 and a2 arrived before b1, so admitting them first passes nobody: only a3 overtakes b1,
+    once, which the bound of 2 allows. (Counting every running program's admission against every
+    waiting request made b1 urgent after a1 and a2, and a3 waited behind it.)"""
+    sim = psim(1000, policy="fcfs", max_running_requests=1, program_fairness=2)
+    sim.add("a0", [1], 1, program=tag("A"))
+    sim.step()  # program A runs
+    for rid, prog in [("a1", "A"), ("a2", "A"), ("b1", "B"), ("a3", "A")]:
+        sim.add(rid, [1, int(rid[1]) + 1, ord(prog)], 1, program=tag(prog))
+    sim.run()
+    assert admission_order(sim) == ["a0", "a1", "a2", "a3", "b1"]
+    assert sim.requests["b1"].passed_over == 1
+
+
 @st.composite
 def program_streams(draw):
     """(fairness bound, max running, requests (rid, prompt, max_new, arrival step, program))."""
