@@ -95,6 +95,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self.proc.returncode != 0:  # shown with the failing test: why the server did not stop cleanly
+            print(f"the server exited with {self.proc.returncode}; the end of its log:\n{self.log()[-4000:]}")
         os.unlink(self.log_path)
         return self.proc.returncode
 
