@@ -215,7 +215,8 @@ class EngineClient:
             if self._exited is not None and not self._exited.done():
                 asyncio.get_running_loop().remove_reader(self._proc.sentinel)
                 await asyncio.to_thread(self._proc.join, 5)
-                self._exited.set_result("the server is shutting down")
+                if not self._exited.done():  # (the reader may have seen the exit while we waited)
+                    self._exited.set_result("the server is shutting down")
         if self._reader is not None:
             self._reader.cancel()
         self._mark_dead("the server is shutting down")
