@@ -228,6 +228,8 @@ class EngineCore:
                 times.append(time.perf_counter() - t0)
             extend.append(times[0])
             decode.extend(times[2:])  # (the second step queues the third's forward ahead: two passes)
+        if not decode:  # (a context too short for the probe's decode steps: keep the cautious default)
+            return self.output.jump_policy
         decode_s = statistics.median(decode)
         policy = JumpPolicy(decode_s, max(0.0, min(extend) - decode_s), self.config.constraint.jump_forward_max_running)
         log.info("jump-forward: an extend step costs %.2f ms more than a %.2f ms decode step: a jump must add "
