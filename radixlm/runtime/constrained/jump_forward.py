@@ -58,7 +58,7 @@ class JumpPolicy:
     max_running: int | None = None
 
     def min_gain(self, running: int) -> int | None:
-        """The fewest forced tokens a jump must add while ``running`` requests run; None: no jump."""
+        """The fewest tokens a jump must write while ``running`` requests run; None: no jump."""
         if self.max_running is not None and running > self.max_running:
             return None
         if self.penalty_s <= 0:
@@ -107,7 +107,7 @@ class JumpForward:
 
         ``output_ids`` are all output tokens, every one accepted by ``matcher``; tokens before
         ``floor`` must not change; the output may grow to at most ``limit`` tokens; a jump that
-        would add fewer than ``min_gain`` tokens is not taken (the mask forces them one a step).
+        would write fewer than ``min_gain`` tokens is not taken (the mask forces them one a step).
 
         The forced text asked of the matcher is bounded by what ``limit`` can still hold (tokens
         times the longest token's bytes) and by ``MAX_JUMP_CHARS``; grammars whose forced text is
@@ -135,15 +135,17 @@ class JumpForward:
             n -= 1
         n = min(n, limit - start)
         kept_bytes = b"".join(pieces[:n])
-        if len(kept_bytes) <= len(old_bytes) or n - len(old) < min_gain:
+        common = 0
+        while common < min(len(old), n) and old[common] == new[common]:
+            common += 1
+        # the jump's tokens: those it writes (as many decode steps as the forced text would take,
+        # give or take a token the re-tokenizing merges)
+        if len(kept_bytes) <= len(old_bytes) or n - common < min_gain:
             return None
         try:
             text = kept_bytes.decode("utf-8")[len(old_text):]
         except UnicodeDecodeError:  # the held-back token split a character
             return None
-        common = 0
-        while common < min(len(old), n) and old[common] == new[common]:
-            common += 1
         matcher.rollback(len(old) - common)
         for i, t in enumerate(new[common:n]):
             if not matcher.accept(t):

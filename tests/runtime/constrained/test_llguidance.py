@@ -221,7 +221,7 @@ def test_a_jump_short_of_min_gain_is_not_taken(smol_tokenizer, llg, vocab):
     out = _ids(smol_tokenizer, '{"id":5,"customer":{"name":"x"}')
     probe = llg.compile("json_schema", ORDER).new_matcher()
     assert _feed(probe, out) is None
-    gain = len(jf.jump(probe, out, 0, 100).new_ids)  # (nothing re-tokenized here: keep == len(out))
+    gain = len(jf.jump(probe, out, 0, 100).new_ids)  # the tokens the jump writes
     m = llg.compile("json_schema", ORDER).new_matcher()
     _feed(m, out)
     assert jf.jump(m, out, 0, 100, min_gain=gain + 1) is None
