@@ -32,7 +32,6 @@ import os
 import platform
 import random
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from typing import Any
 
 import aiohttp
 
+from radixlm.runtime.server.graceful_stop import graceful_stop
 from radixlm.runtime.server.http_call import http_call
 
 WORDS = ("apple river stone cloud music paper garden window silver orange planet bridge forest "
@@ -598,15 +598,6 @@ def launch(args: list[str], threads: int = 1) -> tuple[subprocess.Popen, str, st
         time.sleep(0.25)
 
 
-def stop(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(10)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url")
@@ -646,7 +637,7 @@ def main() -> int:
                                   s.abort_rate, warmup=s.warmup, replay_limit=s.replay_limit)
         finally:
             if proc is not None:
-                report["soak_server_exit"] = stop(proc)
+                report["soak_server_exit"] = graceful_stop(proc)
         print(json.dumps({k: v for k, v in report["soak"].items() if k != "errors"}, indent=1))
     if not s.soak_only and s.launch:
         args = [*SERVER_ARGS, "--max-total-tokens", str(s.overload_pool), "--max-queued-requests",
@@ -656,7 +647,7 @@ def main() -> int:
         try:
             report["overload"] = overload(url, s.overload_factor, seed=s.seed)
         finally:
-            report["overload_server_exit"] = stop(proc)
+            report["overload_server_exit"] = graceful_stop(proc)
         print(json.dumps(report["overload"], indent=1))
     report["seconds"] = time.perf_counter() - t0
     Path(s.out).parent.mkdir(parents=True, exist_ok=True)

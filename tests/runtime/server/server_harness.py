@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from radixlm.runtime.server.graceful_stop import graceful_stop
 from radixlm.runtime.server.http_call import http_call
 
 START_DEADLINE_S = 180.0
@@ -88,14 +88,7 @@ class Server:
 
     # -- process ------------------------------------------------------------------------
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc.returncode != 0:  # shown with the failing test: why the server did not stop cleanly
+        if graceful_stop(self.proc) != 0:  # shown with the failing test: why the server did not stop cleanly
             print(f"the server exited with {self.proc.returncode}; the end of its log:\n{self.log()[-4000:]}")
         os.unlink(self.log_path)
         return self.proc.returncode
