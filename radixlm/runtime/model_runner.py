@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from radixlm.runtime.batch import SeqStep
-from radixlm.runtime.cuda_graph import DecodeGraphs, GraphableAttention
+from radixlm.runtime.cuda_graph import DecodeGraphs, GraphableAttention, decode_rows
 from radixlm.runtime.distributed.group import RankFailure
 from radixlm.runtime.distributed.launch import Leader
 from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS, AttentionMeta
@@ -67,10 +67,12 @@ class ModelRunner:
             raise RankFailure(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
 
     def _forward(self, seqs: list[SeqStep], ids: torch.Tensor | None) -> torch.Tensor:
-        if self.graphs is not None and self._graph_decodable(seqs):
-            return self.graphs.run([s.token_ids[0] for s in seqs], [s.cached_len for s in seqs],
-                                   [s.slots[0] for s in seqs], [s.row for s in seqs],
-                                   [s.cached_len + 1 for s in seqs], ids)
+        self._write_prefixes(seqs)
+        graphs = self.graphs
+        step = None if graphs is None else decode_rows(seqs, graphs.max_bs)
+        if graphs is not None and step is not None:
+            rows_out = graphs.run(step, ids)
+            return rows_out if step.logit_rows is None else rows_out[self.to_device(step.logit_rows)]
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -79,10 +81,6 @@ class ModelRunner:
         for s in seqs:
             n = len(s.token_ids)
             end = s.cached_len + n
-            if s.prefix_slots is not None:
-                assert len(s.prefix_slots) == s.cached_len
-                if s.prefix_slots:
-                    self.req_to_token[s.row, : s.cached_len] = self.to_device(s.prefix_slots)
             q_starts.append(len(tokens))
             logit_rows.extend(range(len(tokens) + s.logit_start, len(tokens) + n))
             tokens.extend(s.token_ids)
@@ -107,6 +105,13 @@ class ModelRunner:
         )
         return logits
 
+    def _write_prefixes(self, seqs: list[SeqStep]) -> None:
+        """The request->slot rows of sequences that start here (SeqStep.prefix_slots)."""
+        for s in seqs:
+            if s.prefix_slots:
+                assert len(s.prefix_slots) == s.cached_len
+                self.req_to_token[s.row, : s.cached_len] = self.to_device(s.prefix_slots)
+
     def to_device(self, values: list[int]) -> torch.Tensor:
         """An int64 tensor of host values on the device, copied without waiting for queued work."""
         t = torch.tensor(values, dtype=torch.int64)
@@ -130,11 +135,3 @@ class ModelRunner:
             return buf.tolist()
 
         return wait
-
-    def _graph_decodable(self, seqs: list[SeqStep]) -> bool:
-        """One new token and its logits per sequence, no prefix to write, within a bucket."""
-        assert self.graphs is not None
-        return len(seqs) <= self.graphs.max_bs and all(
-            len(s.token_ids) == 1 and s.logit_start == 0 and s.prefix_slots is None
-            and s.cached_len < self.max_context for s in seqs
-        )

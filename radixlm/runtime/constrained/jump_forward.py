@@ -47,8 +47,8 @@ class Jump:
 @dataclass(frozen=True)
 class JumpPolicy:
     """When a jump pays for itself. A jump turns its step into an extend step for the whole batch,
-    ``penalty_s`` longer than a decode step of ``decode_s`` (on CUDA: eager instead of a CUDA graph,
-    measured at start-up; on the CPU about nothing). It spares the jumping row the forward passes
+    ``penalty_s`` longer than a decode step of ``decode_s`` (on CUDA measured at start-up: a few
+    tokens extend in the decode graphs, a row per token; on the CPU about nothing). It spares the jumping row the forward passes
     of its ``gain`` forced tokens and of the step after them, each worth a ``1/running`` share of a
     decode step. So a jump needs ``(gain + 1) * decode_s / running > penalty_s``; and never while
     more than ``max_running`` requests run (an explicit cap; None: the cost alone decides)."""

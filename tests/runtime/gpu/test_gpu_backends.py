@@ -5,6 +5,8 @@ CUDA-graph decode equal to eager decode."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from triton_cases import compare, fused_errors, store_kv_matches, tiny_arch
@@ -136,6 +138,32 @@ def test_graph_decode_equals_eager():
             assert torch.equal(g, e), f"step {i}: {_rel(g, e):.2e}"
         else:  # batch of 3 padded to 4: the same kernels, matrix products of another height
             assert _rel(g, e) < 1e-2
+
+
+def _short_extends(sched: Schedule) -> list[list[SeqStep]]:
+    """After the plan's two prefill steps: jump-sized extends next to decodes, one alone, and
+    one that asks for every new token's logits (input logprobs)."""
+    plan = sched.plan()[:2] + [[(0, 3100, 3105), (1, 38, 39), (2, 2, 14), (3, 1300, 1303)], [(2, 14, 16)]]
+    steps = [sched.step(parts) for parts in plan]
+    steps.append([replace(s, logit_start=0) for s in sched.step([(1, 39, 47)])])
+    return steps
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_short_extends_in_graphs_equal_eager(dtype, tol):
+    """Steps of few new tokens per sequence run in the decode graphs, a row per token
+    (cuda_graph.decode_rows), and give the eager extend kernel's logits."""
+    arch = _small("llama-3-8b")
+    model = build_model(arch, None, dtype, "cuda", max_positions=4096, seed=0)
+    out = {}
+    for buckets in ((), (1, 2, 4, 8, 16, 24, 32)):
+        runner = ModelRunner(model, num_slots=8000, max_requests=4, max_context=4096,
+                             attention_backend="triton", graph_buckets=buckets)
+        out[buckets] = [runner.forward(seqs).clone().cpu() for seqs in _short_extends(Schedule(arch.vocab_size))]
+    eager, graph = out.values()
+    assert [g.shape[0] for g in graph] == [3, 4, 4, 1, 8]
+    errs = [_rel(g, e) for g, e in zip(graph, eager)]
+    assert max(errs) < tol, errs
 
 
 def _prompts(lengths: list[int], shared: int, seed: int) -> list[list[int]]:
