@@ -40,7 +40,7 @@ from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample_tokens, token_logprobs, with_logprobs
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import DtypeChoice, QuantChoice, choose_dtype, choose_quantization, cpu_flags
-from radixlm.runtime.model.gguf_quant import GGUFLinears
+from radixlm.runtime.model.gguf_quant import GGUFLinears, four_bit_share
 from radixlm.runtime.model.llama import LlamaModel
 from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model.source import ModelSource, resolve_model
@@ -573,19 +573,23 @@ def number_formats(config: EngineConfig, source: ModelSource, device: torch.devi
     them dense there."""
     mc = config.model
     dtype = choose_dtype(mc.dtype, device.type, cpu_flags() if device.type == "cpu" else None)
+    gguf = None
     if config.parallel.tp_size > 1 and mc.quantization == "auto":
-        quant, gguf = QuantChoice("none", None, "tensor parallelism shards dense weights"), None
+        quant = QuantChoice("none", None, "tensor parallelism shards dense weights")
     else:
         def choose(four_bit: bool) -> QuantChoice:
             return choose_quantization(mc.quantization, device.type, dtype.dtype, four_bit, mc.quant_dense_above)
 
-        # the GGUF header takes seconds to parse: only where a 4-bit file could change the choice
-        may_quantize = source.gguf_path is not None and choose(True).method != "none"
-        gguf = GGUFLinears(source.gguf_path) if may_quantize and source.gguf_path is not None else None
-        quant = choose(gguf is not None and gguf.four_bit_share() > 0.5)
+        path = source.gguf_path  # (its share of 4-bit weights is remembered beside the converted weights)
+        four_bit = path is not None and choose(True).method != "none" and four_bit_share(path, source.weights_dir) > 0.5
+        quant = choose(four_bit)
+        # the file's own blocks where the kernels run in the model's dtype (int4 as the file holds
+        # it); a kernel dtype of its own quantizes the loaded weights, whose dtype it is not
+        if path is not None and quant.method != "none" and quant.kernel_dtype is None:
+            gguf = GGUFLinears(path)
     log.info("dtype %s: %s", dtype.dtype, dtype.reason)
     log.info("quantization %s: %s", quant.method, quant.reason)
-    return NumberFormats(dtype, quant, gguf if quant.method != "none" else None)
+    return NumberFormats(dtype, quant, gguf)
 
 
 def build_runner(config: EngineConfig, source: ModelSource, device: torch.device,

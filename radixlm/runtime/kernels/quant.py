@@ -8,6 +8,11 @@ measured them against dense bf16 at the default model's shapes (docs/benchmarks.
 faster at one row, but 1.7-2.5x slower from 16 rows up, where the dense matmul is compute-bound
 and these kernels are not tuned. So a layer may keep a dense copy of its weights for steps of
 more rows than `dense_above` (memory for speed; `None`: no copy, the quantized kernel always).
+
+A layer's kernel may run in a dtype of its own (`act_dtype`): on a processor without native
+bf16 the model runs in fp32, where these kernels have no fast path (10-1000x slower than a fp32
+matmul), but the int8 kernel with bf16 activations is ~1.5x faster than the fp32 matmul at one
+row (benchmarks/quant_kernels.py on an AVX2-only EPYC); the activations are cast there and back.
 """
 
 from __future__ import annotations
@@ -33,23 +38,30 @@ class WeightOnlyLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
         self.dense_above = dense_above
+        self.act_dtype: torch.dtype | None = None  # the kernel's activation dtype, if not the input's
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_dtype is None or x.dtype == self.act_dtype:
+            return self.quantized_mm(x)
+        return self.quantized_mm(x.to(self.act_dtype)).to(x.dtype)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None and x.dim() == 2 and (self.dense_above is None or x.shape[0] <= self.dense_above):
-            return self.quantized_mm(x.contiguous())  # the decode step's case, in fewest ops
+            return self._mm(x.contiguous())  # the decode step's case, in fewest ops
         rows = x.reshape(-1, self.in_features)
         if self.dense is not None and self.dense_above is not None and rows.shape[0] > self.dense_above:
             return F.linear(x, self.dense, self.bias)
-        y = self.quantized_mm(rows.contiguous())
+        y = self._mm(rows.contiguous())
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.method}, in={self.in_features}, out={self.out_features}, dense_above={self.dense_above}"
+        return (f"{self.method}, in={self.in_features}, out={self.out_features}, dense_above={self.dense_above}, "
+                f"act_dtype={self.act_dtype}")
 
 
 class Int8Linear(WeightOnlyLinear):

@@ -7,7 +7,9 @@ weights stay quantized. Each choice comes with the reason, logged at start and s
   matmuls, ~3x slower than fp32 at 64 rows). Without readable CPU flags a tiny matmul is timed
   in both dtypes.
 - quantization `auto`: on a CPU in bf16, a GGUF model whose linear weights are 4-bit runs from
-  them (int4 at steps of few rows, a dense copy above); everything else keeps dense weights.
+  them (int4 at steps of few rows, a dense copy above); in fp32 (no native bf16), the same model
+  runs int8 weights with bf16 activations at steps of up to 8 rows (torch's weight-only kernels
+  have no fast fp32 path) and its fp32 weights above; everything else keeps dense weights.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # kernel is ~2x faster than a bf16 matmul at one row and slower from a few rows up
 # (benchmarks/quant_kernels.py, docs/benchmarks.md).
 AUTO_DENSE_ABOVE = 1
+# The same for fp32 models (processors without native bf16): torch's int8 kernel with bf16
+# activations beats the fp32 matmul up to 8 rows on an AVX2-only EPYC (1.5x at one row, 3x for
+# the LM head) and loses from 16 (docs/benchmarks.md).
+AUTO_DENSE_ABOVE_FP32 = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,9 @@ class QuantChoice:
     method: str  # "none" or a name in radixlm.runtime.kernels.quant.QUANT_METHODS
     dense_above: int | None  # steps of more rows multiply a dense copy; None: no copy
     reason: str
+    # the quantized kernels' activation dtype when it is not the model's (they cast there and
+    # back; the model's own weights are then the dense copy)
+    kernel_dtype: str | None = None
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
@@ -103,10 +112,16 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
         return QuantChoice(requested, dense_above, "set by --quantization")
     if on_cuda:
         return QuantChoice("none", None, "CUDA runs dense bf16 weights (its triton kernels)")
-    if dtype != "bfloat16":
-        return QuantChoice("none", None, f"torch's int4/int8 CPU kernels are slow with {dtype} activations")
     if not gguf_four_bit:
         return QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
+    if dtype == "float32":
+        rows = AUTO_DENSE_ABOVE_FP32 if dense_above is None else dense_above
+        return QuantChoice("int8", rows, f"the GGUF's 4-bit weights as int8 with bf16 activations for steps of up "
+                                         f"to {rows} rows (torch's weight-only kernels have no fast fp32 path; "
+                                         "its int8 kernel in bf16 beats a fp32 matmul there), the fp32 weights "
+                                         "above", kernel_dtype="bfloat16")
+    if dtype != "bfloat16":
+        return QuantChoice("none", None, f"torch's int4/int8 CPU kernels are slow with {dtype} activations")
     rows = AUTO_DENSE_ABOVE if dense_above is None else dense_above
     return QuantChoice("q4", rows, f"the GGUF's 4-bit weights, used as they are for steps of up to {rows} "
                                    "rows (the int4 kernel reads 3x fewer bytes), a dense bf16 copy above")

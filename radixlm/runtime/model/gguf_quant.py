@@ -9,6 +9,7 @@ the int4 kernel's own form. Other tensors (Q8_0, Q6_K, F16, ...) are dequantized
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +132,21 @@ class GGUFLinears:
 
 
 LAYER_LINEARS = tuple(_LAYER_PARTS)
+_SHARE_FILE = "gguf_four_bit_share"
+
+
+def four_bit_share(path: Path, cache_dir: Path | None) -> float:
+    """GGUFLinears(path).four_bit_share(), remembered in `cache_dir` (the file's converted
+    weights, keyed by its path, size and time): its header takes seconds to parse, at every start."""
+    remembered = None if cache_dir is None else cache_dir / _SHARE_FILE
+    if remembered is not None and remembered.is_file():
+        try:
+            return float(remembered.read_text())
+        except ValueError:
+            pass  # a damaged file: parse again
+    share = GGUFLinears(path).four_bit_share()
+    if remembered is not None and remembered.parent.is_dir():
+        tmp = remembered.with_name(f"{_SHARE_FILE}.{os.getpid()}")
+        tmp.write_text(repr(share))
+        tmp.replace(remembered)  # atomic: engines starting together read a whole file or none
+    return share

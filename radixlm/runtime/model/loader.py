@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from radixlm.runtime.distributed.group import TPGroup
-from radixlm.runtime.kernels.quant import QUANT_METHODS
+from radixlm.runtime.kernels.quant import QUANT_METHODS, WeightOnlyLinear
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice
 from radixlm.runtime.model.gguf_quant import GGUFLinears
@@ -185,12 +185,15 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
     if quant.method not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {quant.method!r}; choose one of none, {', '.join(sorted(QUANT_METHODS))}")
     keep = quant.dense_above is not None
+    kernel = getattr(torch, quant.kernel_dtype or "float32")
     for i, layer in enumerate(model.layers):
         for ours in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             parent_name, _, attr = ours.rpartition(".")
             parent = layer.get_submodule(parent_name)
             dense = getattr(parent, attr)
-            if gguf is not None:
+            if quant.kernel_dtype is not None:
+                new = _own_kernel_dtype(QUANT_METHODS[quant.method](dense.weight.data, kernel), dense.weight, quant)
+            elif gguf is not None:
                 new = gguf.layer(i, ours, quant.method, dtype, quant.dense_above)
             else:
                 new = QUANT_METHODS[quant.method](dense.weight.data, dtype, dense.bias, keep_dense=keep,
@@ -199,8 +202,23 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
                 new.bias = nn.Parameter(dense.bias.data, requires_grad=False)
             setattr(parent, attr, new)
     model.rebind()
-    if gguf is not None:
+    if quant.kernel_dtype is not None:
+        head = QUANT_METHODS[quant.method](model.lm_head_weight.data, kernel)
+        model.quant_head = _own_kernel_dtype(head, model.lm_head_weight, quant)
+    elif gguf is not None:
         model.quant_head = gguf.head(quant.method, dtype, quant.dense_above)
     else:
         model.quant_head = QUANT_METHODS[quant.method](model.lm_head_weight.data, dtype, keep_dense=keep,
                                                        dense_above=quant.dense_above)
+
+
+def _own_kernel_dtype(layer: WeightOnlyLinear, weight: torch.Tensor, quant: QuantChoice) -> WeightOnlyLinear:
+    """A layer quantized from the model's loaded `weight` whose kernel runs in quant.kernel_dtype;
+    steps of more rows than quant.dense_above multiply `weight` itself (no copy)."""
+    from torch import nn
+
+    assert quant.kernel_dtype is not None
+    layer.act_dtype = getattr(torch, quant.kernel_dtype)
+    layer.dense = nn.Parameter(weight.data, requires_grad=False)
+    layer.dense_above = quant.dense_above
+    return layer

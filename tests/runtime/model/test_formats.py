@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from radixlm.runtime.model.formats import AUTO_DENSE_ABOVE, choose_dtype, choose_quantization, cpu_flags
+from radixlm.runtime.model.formats import AUTO_DENSE_ABOVE, AUTO_DENSE_ABOVE_FP32, choose_dtype, choose_quantization, cpu_flags
 
 AVX2 = frozenset({"fpu", "sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -53,7 +53,8 @@ def test_cpu_flags_from_cpuinfo(tmp_path: Path):
 
 @pytest.mark.parametrize(("requested", "device", "dtype", "four_bit", "method", "dense_above"), [
     ("auto", "cpu", "bfloat16", True, "q4", AUTO_DENSE_ABOVE),  # the default model on a bf16 CPU
-    ("auto", "cpu", "float32", True, "none", None),  # int4/int8 kernels are slow with fp32 activations
+    ("auto", "cpu", "float32", True, "int8", AUTO_DENSE_ABOVE_FP32),  # no native bf16: int8 kernel in bf16
+    ("auto", "cpu", "float16", True, "none", None),  # int4/int8 kernels are slow with fp16 activations
     ("auto", "cpu", "bfloat16", False, "none", None),  # safetensors / 8-bit GGUF: dense
     ("auto", "cuda", "bfloat16", True, "none", None),  # CUDA keeps its triton path
     ("none", "cpu", "bfloat16", True, "none", None),
@@ -63,6 +64,8 @@ def test_cpu_flags_from_cpuinfo(tmp_path: Path):
 def test_quantization_table(requested, device, dtype, four_bit, method, dense_above):
     choice = choose_quantization(requested, device, dtype, four_bit)
     assert (choice.method, choice.dense_above) == (method, dense_above) and choice.reason
+    # only the fp32 choice runs its kernels in a dtype of their own
+    assert choice.kernel_dtype == ("bfloat16" if (requested, dtype, method) == ("auto", "float32", "int8") else None)
 
 
 def test_quantization_errors():

@@ -78,6 +78,21 @@ def test_from_float_within_quantization_error_and_dense_above(method):
     assert plain.dense is None and torch.allclose(plain(x)[:1].float(), one, atol=1e-2)
 
 
+def test_kernel_in_its_own_dtype_and_the_models_weight_above():
+    """An fp32 model's int8 layer whose kernel takes bf16 activations (processors without native
+    bf16): fp32 in and out, within int8's error at few rows, the fp32 weight itself above."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 256) * 0.02
+    layer = Int8Linear.from_float(w, torch.bfloat16)
+    layer.act_dtype, layer.dense, layer.dense_above = torch.bfloat16, torch.nn.Parameter(w, requires_grad=False), 2
+    x = torch.randn(5, 256)
+    one = layer(x[:1])
+    assert one.dtype == torch.float32
+    ref = F.linear(x[:1], w)
+    assert (one - ref).abs().max().item() < 0.03 * ref.abs().max().item()
+    assert torch.equal(layer(x), F.linear(x, w))  # 5 rows > 2: the fp32 weight, exactly
+
+
 def test_q4_needs_groups_of_32():
     with pytest.raises(ValueError, match="divisible by 32"):
         Int4Linear.from_float(torch.randn(8, 40), torch.bfloat16)
@@ -110,12 +125,19 @@ def _greedy(model, tokenizer, ids: list[int], n: int) -> tuple[list[int], torch.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["q4", "int8"])
+@pytest.mark.parametrize("method", ["q4", "int8", "int8-fp32"])
 def test_default_model_quantized_logits_and_greedy(default_source, smol_tokenizer, method):
+    """int8-fp32: the fp32 model with int8 kernels in bf16 up to 8 rows (auto without native bf16)."""
     src = default_source
     dense = build_model(src.arch, src.weights_dir, torch.float32, "cpu", max_positions=2048)
-    quant = build_model(src.arch, src.weights_dir, torch.bfloat16, "cpu", max_positions=2048,
-                        quant=QuantChoice(method, None, "test"), gguf=src.gguf_path)
+    if method == "int8-fp32":
+        quant = build_model(src.arch, src.weights_dir, torch.float32, "cpu", max_positions=2048,
+                            quant=QuantChoice("int8", 8, "test", kernel_dtype="bfloat16"), gguf=src.gguf_path)
+        assert quant.layers[0].mlp.down_proj.act_dtype == torch.bfloat16
+        assert quant.layers[0].mlp.down_proj.dense.dtype == torch.float32
+    else:
+        quant = build_model(src.arch, src.weights_dir, torch.bfloat16, "cpu", max_positions=2048,
+                            quant=QuantChoice(method, None, "test"), gguf=src.gguf_path)
     assert type(quant.layers[0].mlp.down_proj).__name__ == ("Int4Linear" if method == "q4" else "Int8Linear")
     for chat, answer in CHATS:
         ids = _ids(smol_tokenizer, chat)
