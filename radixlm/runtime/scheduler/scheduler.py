@@ -399,12 +399,13 @@ class Scheduler:
         rest = [r for r in order if r.passed_over < bound and not self._preferred(r)]
         return urgent + preferred + rest
 
-    def _passes(self, req: Request, rank: dict[int, int]) -> list[Request]:
+    def _passes(self, req: Request, rank: dict[int, int], deferred: set[int]) -> list[Request]:
         """The waiting requests that admitting req now overtakes: those before it in the policy's
-        order (``rank``); none when program scheduling is off (then the policy's order is kept)."""
+        order (``rank``) but the ``deferred`` ones, which wait for a prefix in flight and could not
+        run now anyway; none when program scheduling is off (then the policy's order is kept)."""
         if not self.config.program_scheduling:
             return []
-        return [r for r in self.waiting if rank[id(r)] < rank[id(req)]]
+        return [r for r in self.waiting if rank[id(r)] < rank[id(req)] and id(r) not in deferred]
 
     def _expected_need(self, req: Request, cached: int) -> int:
         """Slots req is expected to still take: its uncomputed prompt plus a share of its output."""
@@ -418,11 +419,12 @@ class Scheduler:
         policy_order = self._policy_order()
         rank = {id(r): i for i, r in enumerate(policy_order)}
         order = self._program_order(policy_order) if self.config.program_scheduling else policy_order
+        deferred: set[int] = set()  # waiting for a prefix another request is prefilling
         for req in order:
             if budget <= 0 or not self.free_rows:
                 break
             # a request may overtake (as its program runs) only those still below program_fairness
-            passed = self._passes(req, rank)
+            passed = self._passes(req, rank, deferred)
             if any(r.passed_over >= self.config.program_fairness for r in passed):
                 continue
             limit = min(req.fill_len - 1, req.first_logit_pos())
@@ -430,6 +432,7 @@ class Scheduler:
             cached = len(match.slots)
             # only a cache that shares prefixes can serve them to the waiting request later
             if self.cache.shares_prefixes and any(self._shares_uncached(req, other, cached) for other in in_flight):
+                deferred.add(id(req))
                 continue
             need = self._expected_need(req, cached)
             if need > headroom and self.running:

@@ -91,6 +91,25 @@ def test_the_fairness_bound_counts_only_requests_actually_overtaken():
     assert sim.requests["b1"].passed_over == 1
 
 
+def test_a_request_waiting_for_a_prefix_in_flight_is_not_overtaken():
+    """s2 shares s1's prompt, which s1 is still prefilling (chunks of 32): s2 waits for it, so the
+    requests admitted meanwhile do not overtake it. (Counted as overtaken, s2 became urgent after
+    c and, still unable to run, kept d and every later request out: under fcfs with programs
+    arriving, the H100 ran half as fast with program scheduling on.)"""
+    prefix = list(range(1, 41))
+    sim = psim(1000, policy="fcfs", max_running_requests=4, program_fairness=1, chunked_prefill_size=32)
+    sim.add("s1", prefix + [41], 2, program=tag("S"))
+    sim.add("s2", prefix + [42], 2, program=tag("S"))
+    sim.add("c", [7, 8, 9], 2, program=tag("C"))
+    sim.add("d", [4, 5, 6], 2, program=tag("D"))
+    sim.step()  # s1's first 32 tokens: the whole budget
+    sim.step()  # s1's last 9; s2 waits for them; c and d go
+    assert admission_order(sim) == ["s1", "c", "d"]
+    assert sim.requests["s2"].passed_over == 0
+    sim.run()
+    assert sorted(admission_order(sim)) == ["c", "d", "s1", "s2"]
+
+
 @st.composite
 def program_streams(draw):
     """(fairness bound, max running, requests (rid, prompt, max_new, arrival step, program))."""
