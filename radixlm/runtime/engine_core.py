@@ -578,7 +578,8 @@ def number_formats(config: EngineConfig, source: ModelSource, device: torch.devi
         quant = QuantChoice("none", None, "tensor parallelism shards dense weights")
     else:
         def choose(four_bit: bool) -> QuantChoice:
-            return choose_quantization(mc.quantization, device.type, dtype.dtype, four_bit, mc.quant_dense_above)
+            return choose_quantization(mc.quantization, device.type, dtype.dtype, four_bit, mc.quant_dense_above,
+                                       auto_dtype=mc.dtype == "auto")
 
         path = source.gguf_path  # (its share of 4-bit weights is remembered beside the converted weights)
         four_bit = path is not None and choose(True).method != "none" and four_bit_share(path, source.weights_dir) > 0.5

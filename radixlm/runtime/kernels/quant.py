@@ -48,12 +48,21 @@ class WeightOnlyLinear(nn.Module):
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _dense_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ dense^T (+ bias); with a kernel dtype of its own, rounded through it on the way in
+        and out as the kernel rounds, so a step's rows get the same values at any batch size."""
+        assert self.dense is not None
+        if self.act_dtype is None or x.dtype == self.act_dtype:
+            return F.linear(x, self.dense, self.bias)
+        y = F.linear(x.to(self.act_dtype).to(x.dtype), self.dense).to(self.act_dtype).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None and x.dim() == 2 and (self.dense_above is None or x.shape[0] <= self.dense_above):
             return self._mm(x.contiguous())  # the decode step's case, in fewest ops
         rows = x.reshape(-1, self.in_features)
         if self.dense is not None and self.dense_above is not None and rows.shape[0] > self.dense_above:
-            return F.linear(x, self.dense, self.bias)
+            return self._dense_mm(x)
         y = self._mm(rows.contiguous())
         if self.bias is not None:
             y = y + self.bias
@@ -78,6 +87,11 @@ class Int8Linear(WeightOnlyLinear):
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return out
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight this layer multiplies, [N, K] in `dtype`."""
+        q, scales = self.get_buffer("qweight"), self.get_buffer("scales")
+        return (q.float() * scales.float()[:, None]).to(dtype)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,

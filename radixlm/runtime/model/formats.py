@@ -7,9 +7,10 @@ weights stay quantized. Each choice comes with the reason, logged at start and s
   matmuls, ~3x slower than fp32 at 64 rows). Without readable CPU flags a tiny matmul is timed
   in both dtypes.
 - quantization `auto`: on a CPU in bf16, a GGUF model whose linear weights are 4-bit runs from
-  them (int4 at steps of few rows, a dense copy above); in fp32 (no native bf16), the same model
-  runs int8 weights with bf16 activations at steps of up to 8 rows (torch's weight-only kernels
-  have no fast fp32 path) and its fp32 weights above; everything else keeps dense weights.
+  them (int4 at steps of few rows, a dense copy above); in fp32 chosen by `--dtype auto` (no
+  native bf16), the same model runs int8 weights with bf16 activations at steps of up to 8 rows
+  (torch's weight-only kernels have no fast fp32 path) and their fp32 dequantized copy above;
+  everything else keeps dense weights.
 """
 
 from __future__ import annotations
@@ -95,9 +96,10 @@ def choose_dtype(requested: str, device: str, flags: frozenset[str] | None,
 
 
 def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: bool,
-                        dense_above: int | None = None) -> QuantChoice:
+                        dense_above: int | None = None, auto_dtype: bool = False) -> QuantChoice:
     """Whether linear weights stay quantized. `gguf_four_bit`: the model comes from a GGUF whose
-    linear weights are mostly Q4_0/Q4_1/Q4_K; `dense_above`: --quant-dense-above, if given."""
+    linear weights are mostly Q4_0/Q4_1/Q4_K; `dense_above`: --quant-dense-above, if given;
+    `auto_dtype`: --dtype auto chose `dtype` (an fp32 asked for runs dense fp32 weights)."""
     from radixlm.runtime.kernels.quant import QUANT_METHODS
 
     on_cuda = device.startswith("cuda")
@@ -112,16 +114,19 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
         return QuantChoice(requested, dense_above, "set by --quantization")
     if on_cuda:
         return QuantChoice("none", None, "CUDA runs dense bf16 weights (its triton kernels)")
-    if not gguf_four_bit:
-        return QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
-    if dtype == "float32":
+    not_four_bit = QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
+    if dtype == "float32" and auto_dtype:
+        if not gguf_four_bit:
+            return not_four_bit
         rows = AUTO_DENSE_ABOVE_FP32 if dense_above is None else dense_above
         return QuantChoice("int8", rows, f"the GGUF's 4-bit weights as int8 with bf16 activations for steps of up "
                                          f"to {rows} rows (torch's weight-only kernels have no fast fp32 path; "
-                                         "its int8 kernel in bf16 beats a fp32 matmul there), the fp32 weights "
-                                         "above", kernel_dtype="bfloat16")
+                                         "its int8 kernel in bf16 beats a fp32 matmul there), their fp32 "
+                                         "dequantized copy above", kernel_dtype="bfloat16")
     if dtype != "bfloat16":
         return QuantChoice("none", None, f"torch's int4/int8 CPU kernels are slow with {dtype} activations")
+    if not gguf_four_bit:
+        return not_four_bit
     rows = AUTO_DENSE_ABOVE if dense_above is None else dense_above
     return QuantChoice("q4", rows, f"the GGUF's 4-bit weights, used as they are for steps of up to {rows} "
                                    "rows (the int4 kernel reads 3x fewer bytes), a dense bf16 copy above")

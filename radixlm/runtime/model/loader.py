@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from radixlm.runtime.distributed.group import TPGroup
-from radixlm.runtime.kernels.quant import QUANT_METHODS, WeightOnlyLinear
+from radixlm.runtime.kernels.quant import QUANT_METHODS, Int8Linear, WeightOnlyLinear
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice
 from radixlm.runtime.model.gguf_quant import GGUFLinears
@@ -214,11 +214,12 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
 
 def _own_kernel_dtype(layer: WeightOnlyLinear, weight: torch.Tensor, quant: QuantChoice) -> WeightOnlyLinear:
     """A layer quantized from the model's loaded `weight` whose kernel runs in quant.kernel_dtype;
-    steps of more rows than quant.dense_above multiply `weight` itself (no copy)."""
+    steps of more rows than quant.dense_above multiply its dequantized weight in the model's dtype
+    (in place of `weight`: the same values at every batch size)."""
     from torch import nn
 
-    assert quant.kernel_dtype is not None
+    assert quant.kernel_dtype is not None and isinstance(layer, Int8Linear)
     layer.act_dtype = getattr(torch, quant.kernel_dtype)
-    layer.dense = nn.Parameter(weight.data, requires_grad=False)
+    layer.dense = nn.Parameter(layer.dequantized(weight.dtype), requires_grad=False)
     layer.dense_above = quant.dense_above
     return layer

@@ -53,7 +53,7 @@ def test_cpu_flags_from_cpuinfo(tmp_path: Path):
 
 @pytest.mark.parametrize(("requested", "device", "dtype", "four_bit", "method", "dense_above"), [
     ("auto", "cpu", "bfloat16", True, "q4", AUTO_DENSE_ABOVE),  # the default model on a bf16 CPU
-    ("auto", "cpu", "float32", True, "int8", AUTO_DENSE_ABOVE_FP32),  # no native bf16: int8 kernel in bf16
+    ("auto", "cpu", "float32", True, "none", None),  # an fp32 asked for: dense (auto: below)
     ("auto", "cpu", "float16", True, "none", None),  # int4/int8 kernels are slow with fp16 activations
     ("auto", "cpu", "bfloat16", False, "none", None),  # safetensors / 8-bit GGUF: dense
     ("auto", "cuda", "bfloat16", True, "none", None),  # CUDA keeps its triton path
@@ -64,8 +64,14 @@ def test_cpu_flags_from_cpuinfo(tmp_path: Path):
 def test_quantization_table(requested, device, dtype, four_bit, method, dense_above):
     choice = choose_quantization(requested, device, dtype, four_bit)
     assert (choice.method, choice.dense_above) == (method, dense_above) and choice.reason
-    # only the fp32 choice runs its kernels in a dtype of their own
-    assert choice.kernel_dtype == ("bfloat16" if (requested, dtype, method) == ("auto", "float32", "int8") else None)
+    assert choice.kernel_dtype is None
+
+
+def test_fp32_chosen_for_want_of_native_bf16_runs_int8_kernels_in_bf16():
+    choice = choose_quantization("auto", "cpu", "float32", True, auto_dtype=True)
+    assert (choice.method, choice.dense_above, choice.kernel_dtype) == ("int8", AUTO_DENSE_ABOVE_FP32, "bfloat16")
+    assert choose_quantization("auto", "cpu", "float32", True, dense_above=4, auto_dtype=True).dense_above == 4
+    assert choose_quantization("auto", "cpu", "float32", False, auto_dtype=True).method == "none"  # not a 4-bit GGUF
 
 
 def test_quantization_errors():
