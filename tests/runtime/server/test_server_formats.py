@@ -15,7 +15,7 @@ def test_auto_formats_reported_and_served():
     server = start_server("--max-total-tokens", "4096", "--context-length", "1024")
     try:
         expected = choose_dtype("auto", "cpu", cpu_flags())
-        quant = choose_quantization("auto", "cpu", expected.dtype, gguf_four_bit=True)  # the default model: Q4_1
+        quant = choose_quantization("auto", "cpu", expected.dtype, gguf_four_bit=True, auto_dtype=True)  # Q4_1
         for route in ("/get_server_info", "/server_info"):
             status, info = server.get(route)
             engine = info["engine"]
