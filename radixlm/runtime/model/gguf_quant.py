@@ -147,6 +147,9 @@ def four_bit_share(path: Path, cache_dir: Path | None) -> float:
     share = GGUFLinears(path).four_bit_share()
     if remembered is not None and remembered.parent.is_dir():
         tmp = remembered.with_name(f"{_SHARE_FILE}.{os.getpid()}")
-        tmp.write_text(repr(share))
-        tmp.replace(remembered)  # atomic: engines starting together read a whole file or none
+        try:
+            tmp.write_text(repr(share))
+            tmp.replace(remembered)  # atomic: engines starting together read a whole file or none
+        except OSError:  # a read-only cache: parse again next time
+            tmp.unlink(missing_ok=True)
     return share

@@ -154,3 +154,15 @@ def test_default_model_quantized_logits_and_greedy(default_source, smol_tokenize
         assert rel < (0.05 if method == "q4" else 0.1), rel
         assert int(logits.argmax()) == int(ref_logits.argmax())
         assert answer in smol_tokenizer.decode(out), smol_tokenizer.decode(out)
+
+
+@pytest.mark.slow
+def test_four_bit_share_is_remembered_beside_the_converted_weights(default_source, tmp_path):
+    from radixlm.runtime.model.gguf_quant import four_bit_share
+
+    assert four_bit_share(default_source.gguf_path, tmp_path) == 1.0  # Q4_1 layers: parsed, then written
+    assert (tmp_path / "gguf_four_bit_share").read_text() == "1.0"
+    (tmp_path / "gguf_four_bit_share").write_text("0.25")
+    assert four_bit_share(default_source.gguf_path, tmp_path) == 0.25  # read back, not parsed again
+    assert four_bit_share(default_source.gguf_path, tmp_path / "missing") == 1.0  # no cache dir: parsed
+    assert not (tmp_path / "missing").exists()
