@@ -185,13 +185,14 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
     if quant.method not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {quant.method!r}; choose one of none, {', '.join(sorted(QUANT_METHODS))}")
     keep = quant.dense_above is not None
-    kernel = getattr(torch, quant.kernel_dtype or "float32")
+    # a kernel dtype of its own: quantize the loaded weights into it (the GGUF's blocks are not read)
+    kernel = None if quant.kernel_dtype is None else getattr(torch, quant.kernel_dtype)
     for i, layer in enumerate(model.layers):
         for ours in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             parent_name, _, attr = ours.rpartition(".")
             parent = layer.get_submodule(parent_name)
             dense = getattr(parent, attr)
-            if quant.kernel_dtype is not None:
+            if kernel is not None:
                 new = _own_kernel_dtype(QUANT_METHODS[quant.method](dense.weight.data, kernel), dense.weight, quant)
             elif gguf is not None:
                 new = gguf.layer(i, ours, quant.method, dtype, quant.dense_above)
@@ -202,7 +203,7 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
                 new.bias = nn.Parameter(dense.bias.data, requires_grad=False)
             setattr(parent, attr, new)
     model.rebind()
-    if quant.kernel_dtype is not None:
+    if kernel is not None:
         head = QUANT_METHODS[quant.method](model.lm_head_weight.data, kernel)
         model.quant_head = _own_kernel_dtype(head, model.lm_head_weight, quant)
     elif gguf is not None:
