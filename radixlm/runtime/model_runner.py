@@ -108,9 +108,10 @@ class ModelRunner:
     def _write_prefixes(self, seqs: list[SeqStep]) -> None:
         """The request->slot rows of sequences that start here (SeqStep.prefix_slots)."""
         for s in seqs:
-            if s.prefix_slots:
+            if s.prefix_slots is not None:
                 assert len(s.prefix_slots) == s.cached_len
-                self.req_to_token[s.row, : s.cached_len] = self.to_device(s.prefix_slots)
+                if s.prefix_slots:
+                    self.req_to_token[s.row, : s.cached_len] = self.to_device(s.prefix_slots)
 
     def to_device(self, values: list[int]) -> torch.Tensor:
         """An int64 tensor of host values on the device, copied without waiting for queued work."""

@@ -48,10 +48,11 @@ class Jump:
 class JumpPolicy:
     """When a jump pays for itself. A jump turns its step into an extend step for the whole batch,
     ``penalty_s`` longer than a decode step of ``decode_s`` (on CUDA measured at start-up: a few
-    tokens extend in the decode graphs, a row per token; on the CPU about nothing). It spares the jumping row the forward passes
-    of its ``gain`` forced tokens and of the step after them, each worth a ``1/running`` share of a
-    decode step. So a jump needs ``(gain + 1) * decode_s / running > penalty_s``; and never while
-    more than ``max_running`` requests run (an explicit cap; None: the cost alone decides)."""
+    tokens extend in the decode graphs, a row per token; on the CPU about nothing). It spares the
+    jumping row the forward passes of its ``gain`` forced tokens and of the step after them, each
+    worth a ``1/running`` share of a decode step. So a jump needs
+    ``(gain + 1) * decode_s / running > penalty_s``; and never while more than ``max_running``
+    requests run (an explicit cap; None: the cost alone decides)."""
 
     decode_s: float = 1.0
     penalty_s: float = 0.0

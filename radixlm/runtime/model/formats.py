@@ -43,7 +43,7 @@ class QuantChoice:
     dense_above: int | None  # steps of more rows multiply a dense copy; None: no copy
     reason: str
     # the quantized kernels' activation dtype when it is not the model's (they cast there and
-    # back; the model's own weights are then the dense copy)
+    # back; the dense copy is then their own weights dequantized, in the model's dtype)
     kernel_dtype: str | None = None
 
 

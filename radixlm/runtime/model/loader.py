@@ -171,6 +171,8 @@ def build_model(
             raise ValueError(f"--quantization {quant.method} runs on the CPU only; use --quantization none")
         if tp is not None:
             raise ValueError(f"--quantization {quant.method} does not shard over --tp-size; use --quantization none")
+        if quant.kernel_dtype is not None:  # (quantized from the loaded weights: the file's blocks are not read)
+            gguf = None
         quantize_linears(model, quant, dtype, GGUFLinears(gguf) if isinstance(gguf, Path) else gguf)
     model.eval().requires_grad_(False)
     model.init_rope(max_positions)
