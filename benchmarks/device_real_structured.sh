@@ -20,9 +20,9 @@ cat "$KEEP/p1" "$KEEP/p2" .gpu_assets/p3 > /tmp/smol.gguf || exit 1
 sha256sum /tmp/smol.gguf
 export PYTHONPATH=$PWD:$PWD/benchmarks:$KEEP/site PYTHONUNBUFFERED=1 RADIXLM_CACHE=/tmp/radixlm-cache
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 360 python3 benchmarks/gpu_real_structured.py --model /tmp/smol.gguf --profile \
+timeout 450 python3 benchmarks/gpu_real_structured.py --model /tmp/smol.gguf --profile \
   --out "$OUT/gpu_real_structured.json" 2>&1 | grep -v Warning > "$OUT/gpu_real_structured.log"
 grep -E "^(jump|bs|profiled)" "$OUT/gpu_real_structured.log"; grep -A24 "ncalls" "$OUT/gpu_real_structured.log" | cut -c1-150
 if [ "${2:-}" = tests ]; then  # `... run tests`: then the GPU tests, on the same machine
-  RADIXLM_TOKENIZER=$PWD/.gpu_assets/tokenizer timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/gpu -k "not flashinfer" 2>&1 | tail -4
+  RADIXLM_TOKENIZER=$PWD/.gpu_assets/tokenizer timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/gpu -k "not flashinfer" 2>&1 | tail -4
 fi

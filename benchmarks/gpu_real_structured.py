@@ -1,5 +1,6 @@
 """JSON extraction on a real model on the GPU: free text vs json_schema (jumps by the measured
-cost, every jump, no jump, and masks only on a rejected greedy token), at batch 1 (prompts one at a time) / 16 / 64 (docs/benchmarks.md, "Structured output on the GPU with real
+cost, the same only while one request runs, every jump, no jump, and masks only on a rejected
+greedy token), at batch 1 (prompts one at a time) / 16 / 64 (docs/benchmarks.md, "Structured output on the GPU with real
 weights"). Random weights force nothing past the first key, so jump-forward cannot pay off there;
 the default model's own weights (its GGUF file) write the records benchmarks/structured_output.py
 asks for, whose keys and punctuation the schema forces.
@@ -24,7 +25,7 @@ from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.engine import Engine
 
 OUT = 96
-MODES = ["free", "json_schema", "json_schema, every jump", "json_schema, no jump-forward",
+MODES = ["free", "json_schema", "json_schema, jumps alone", "json_schema, every jump", "json_schema, no jump-forward",
          "json_schema, mask on reject"]
 
 
@@ -38,6 +39,8 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
     policy, config = core.output.jump_policy, core.grammar.config
     if mode == "json_schema, every jump":
         core.output.jump_policy = JumpPolicy()
+    if mode == "json_schema, jumps alone":  # the measured policy, and jumps only while one request runs
+        core.output.jump_policy = dataclasses.replace(policy, max_running=1)
     if mode == "json_schema, mask on reject":
         core.grammar.config = dataclasses.replace(config, mask_on_reject=True)
     engine.flush_cache()

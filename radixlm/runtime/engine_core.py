@@ -140,11 +140,12 @@ class EngineCore:
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)
         self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self.grammar, self.context_length,
-                                      self._finish_turn, JumpPolicy(max_running=self._jump_cap()))
+                                      self._finish_turn, JumpPolicy(max_running=config.constraint.jump_forward_max_running))
         self.requests: dict[str, EngineRequest] = {}
         self._ahead: StepRun | None = None
         self._ahead_forward: AheadForward | None = None
         self.ahead_steps = 0  # decode steps queued ahead of the host (the overlap schedule)
+        self.ahead_extends = 0  # jump-forward extends among them
         self.steps = 0
 
     def check_ranks(self) -> None:
@@ -228,20 +229,11 @@ class EngineCore:
         if not decode:  # (a context too short for the probe's decode steps: keep the cautious default)
             return self.output.jump_policy
         decode_s = statistics.median(decode)
-        policy = JumpPolicy(decode_s, max(0.0, min(extend) - decode_s), self._jump_cap())
+        policy = JumpPolicy(decode_s, max(0.0, min(extend) - decode_s), self.config.constraint.jump_forward_max_running)
         log.info("jump-forward: an extend step costs %.2f ms more than a %.2f ms decode step: a jump must add "
                  ">= %d forced tokens per running request", 1e3 * policy.penalty_s, 1e3 * decode_s,
                  policy.min_gain(1) or 0)
         return policy
-
-    def _jump_cap(self) -> int | None:
-        """--jump-forward-max-running, or its default: on CUDA with the overlap schedule, jumps
-        only while one request runs. A jump drops its row from the step queued ahead and its
-        extend step cannot be queued ahead, so with others running the batch loses the overlap
-        for two steps; on an H100 jumps then cost bs16 and bs64 a fifth to a quarter of their
-        throughput, more than the passes they spare (docs/structured-output.md)."""
-        cap = self.config.constraint.jump_forward_max_running
-        return 1 if cap is None and self.device.type == "cuda" and self.overlap else cap
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, sub: Submission) -> None:
@@ -366,17 +358,25 @@ class EngineCore:
         the tokens `run` drew there, before the host sees them."""
         live = [i for i, r in enumerate(run.samplers) if r.status is Status.RUNNING]
         reqs = [run.samplers[i] for i in live]
-        if not self._can_look_ahead(run, reqs) or not self.scheduler.extend_ahead(reqs):
+        jumped = self._jumped(reqs)
+        if jumped is None or not self._can_look_ahead(run, reqs + jumped):
+            return
+        extends = self.scheduler.extend_ahead(reqs, jumped)
+        if extends is None:
             return
         seqs = [SeqStep(row=r.row, cached_len=len(r.slots) - 1, token_ids=[0], slots=[r.slots[-1]], logit_start=0)
                 for r in reqs]
         ids = run.tokens if len(live) == len(run.samplers) else run.tokens[self.runner.to_device(live)]
-        logits = self.runner.forward(seqs, ids=ids)
-        step = [Scheduled(r, q, q.cached_len, True, False) for r, q in zip(reqs, seqs)]
+        if extends:  # the forced tokens are on the host already
+            ids = torch.cat([ids, self.runner.to_device([t for e in extends for t in e.seq.token_ids])])
+        logits = self.runner.forward(seqs + [e.seq for e in extends], ids=ids)
+        step = [Scheduled(r, q, q.cached_len, True, False) for r, q in zip(reqs, seqs)] + extends
         self.ahead_steps += 1
-        if any(r.matcher is not None for r in reqs):  # masks need the grammars past this run's tokens
+        self.ahead_extends += len(extends)
+        if any(r.matcher is not None for r in reqs + jumped):  # masks need the grammars past this run's tokens
             marks = [(len(r.output_ids) + 1, r.forced_tokens) for r in reqs]
-            self._ahead_forward = AheadForward(step, reqs, logits, marks)
+            marks += [(len(r.output_ids), r.forced_tokens) for r in jumped]
+            self._ahead_forward = AheadForward(step, reqs + jumped, logits, marks)
             return
         tokens = sample_tokens(logits, self._sampling_batch(reqs, ahead=True))
         self._ahead = StepRun(step, reqs, tokens, self.runner.fetch_ids(tokens), queued_ahead=True)
@@ -413,20 +413,42 @@ class EngineCore:
             tokens[redo] = sample_tokens(sub, self._sampling_batch(again))
         return failed, tokens
 
+    def _jumped(self, reqs: list[EngineRequest]) -> list[EngineRequest] | None:
+        """The running requests besides ``reqs``, each one whose output a jump forward grew on
+        the host (its forced tokens, within one step's prefill budget, still need their KV: the
+        step queued ahead extends them); None when some other running request is not such."""
+        if len(reqs) == len(self.scheduler.running):
+            return []
+        mine = {id(r) for r in reqs}
+        budget = self.config.scheduler.chunked_prefill_size or self.config.scheduler.max_prefill_tokens
+        out = []
+        for r in self.scheduler.running:
+            if id(r) in mine:
+                continue
+            need = r.fill_len - len(r.slots)
+            if not r.output_ids or not 0 < need <= budget:
+                return None
+            out.append(self.requests[r.rid])
+        return out
+
     def _can_look_ahead(self, run: StepRun, reqs: list[EngineRequest]) -> bool:
-        """Whether the next step of these requests can be queued before their tokens reach the
-        host: all running requests decode in it, nothing waits to be admitted, and each next
-        token needs nothing the host has not sent yet (no penalties over the output, logprobs or
-        min_new_tokens block; a grammar's mask is filled after the host has the tokens, while the
-        queued forward runs) and cannot be the request's last by length."""
+        """Whether the next step of these requests can be queued before the run's tokens reach
+        the host: all running requests are in it (a decode, or the extend of a jump forward),
+        nothing waits to be admitted, and each next token needs nothing the host has not sent yet
+        (no penalties over the output, logprobs or min_new_tokens block; a grammar's mask is
+        filled after the host has the tokens, while the queued forward runs) and cannot be the
+        request's last by length. The run's own rows are decodes, or extends of requests with
+        output (a jump's forced tokens: the row after them is a decode again)."""
         sched = self.scheduler
         if (not self.overlap or not reqs or sched.waiting or self.grammar.compiling
                 or len(reqs) != len(sched.running) or len(run.step) != len(run.samplers)):
             return False
-        for req, s in zip(reqs, (s for s in run.step if s.req.status is Status.RUNNING)):
+        if any((s.prefill or len(s.seq.token_ids) != 1) and not s.req.output_ids
+               for s in run.step if s.req.status is Status.RUNNING):
+            return False
+        for req in reqs:
             p = req.params
-            if (s.prefill or len(s.seq.token_ids) != 1 or req.rewrite_row
-                    or req.return_logprob or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+            if (req.rewrite_row or req.return_logprob or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                     or p.presence_penalty != 0.0 or len(req.output_ids) + 1 < p.min_new_tokens
                     or req.remaining_new_tokens() < 2 or req.fill_len + 2 > self.context_length):
                 return False

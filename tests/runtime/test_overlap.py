@@ -184,15 +184,18 @@ def _constrained_batch(jump_forward: bool, sampled: bool) -> tuple[list[str], li
 @pytest.mark.parametrize("jump_forward", [True, False], ids=["jump", "no-jump"])
 def test_constrained_rows_join_the_overlap_schedule(engines, jump_forward, sampled):
     """Mixed batches of constrained and free rows: the overlap loop (masks filled after the
-    previous tokens reach the grammars, while the queued forward runs; rows that jumped forward
-    dropped and rescheduled) gives the plain loop's outputs token for token, and does look ahead."""
+    previous tokens reach the grammars, while the queued forward runs; a row that jumped forward
+    dropped, its extend queued ahead with the next step) gives the plain loop's outputs token for
+    token, and does look ahead."""
     on, off = engines
     prompts, params = _constrained_batch(jump_forward, sampled)
-    before = on.core.ahead_steps
+    before, extends = on.core.ahead_steps, on.core.ahead_extends
     got = [_strip(o) for o in on.generate(prompts, params)]
     ref = [_strip(o) for o in off.generate(prompts, params)]
     assert got == ref
     assert on.core.ahead_steps - before >= 5
+    if jump_forward:  # a jump's extend is queued ahead too, next to the other rows' decodes
+        assert on.core.ahead_extends > extends
     alone = [_strip(o) for o in on.generate(prompts[:1], params[:1])]  # a constrained row alone (bs 1)
     assert alone == ref[:1]
     on.core.check_idle_integrity()

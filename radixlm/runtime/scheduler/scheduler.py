@@ -143,16 +143,24 @@ class Scheduler:
             self.allocator.free(req.slots[length:])
             del req.slots[length:]
 
-    def extend_ahead(self, reqs: Sequence[Request]) -> bool:
-        """Give each decoding request one more slot for a step queued before its last token is
-        known (the overlap schedule); False, and nothing taken, when the pool is short. Never
-        retracts: a step that does not fit is simply not queued ahead."""
-        slots = self._alloc(len(reqs))
+    def extend_ahead(self, reqs: Sequence[Request], jumped: Sequence[Request] = ()) -> list[Scheduled] | None:
+        """Slots for a step queued before the host knows the last tokens (the overlap schedule):
+        one more for each decoding request in ``reqs``, and for each request in ``jumped`` (its
+        output grew on the host by a jump forward: tokens without KV yet) its extend step, which
+        is returned. None, and nothing taken, when the pool is short. Never retracts: a step that
+        does not fit is simply not queued ahead."""
+        needs = [r.fill_len - len(r.slots) for r in jumped]
+        slots = self._alloc(len(reqs) + sum(needs))
         if slots is None:
-            return False
+            return None
         for req, slot in zip(reqs, slots):
             req.slots.append(slot)
-        return True
+        out, at = [], len(reqs)
+        for req, n in zip(jumped, needs):
+            req.slots.extend(slots[at : at + n])
+            at += n
+            out.append(self._step(req, n, prefill=True))
+        return out
 
     def abort(self, rid: str) -> Request | None:
         for req in self.waiting + self.running:
@@ -213,8 +221,8 @@ class Scheduler:
             if req.remaining_new_tokens() == 0:  # max_new_tokens=0: prefill only, to warm the cache
                 self.finish(req, "length")
                 self._hold_prefix(req)
-            elif self.cache.shares_prefixes:
-                self._cache_prefix(req)
+            elif self.cache.shares_prefixes:  # the step's tokens, not a slot queued ahead since
+                self._cache_prefix(req, upto=s.seq.cached_len + len(s.seq.token_ids))
 
     # -- programs ------------------------------------------------------------------------
     def end_program(self, program_id: str) -> None:
@@ -345,11 +353,12 @@ class Scheduler:
         req.row = -1
         req.rewrite_row = True
 
-    def _cache_prefix(self, req: Request, relock: bool = True) -> None:
-        """Insert req's computed tokens into the cache; keep using the cache's slots."""
-        computed = len(req.slots)
+    def _cache_prefix(self, req: Request, relock: bool = True, upto: int | None = None) -> None:
+        """Insert req's computed tokens (the first ``upto``; default all with slots) into the
+        cache; keep using the cache's slots."""
+        computed = len(req.slots) if upto is None else upto
         tokens = req.fill_ids[:computed]
-        already = self.cache.insert(tokens, req.slots)
+        already = self.cache.insert(tokens, req.slots[:computed])
         inserted = computed // self.cache.page_size * self.cache.page_size
         if already > req.tree_len:  # someone cached these first: our copies are duplicates
             self.allocator.free(req.slots[req.tree_len : already])
