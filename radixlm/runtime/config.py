@@ -124,8 +124,9 @@ class ConstraintConfig:
     grammar_backend: str = "llguidance"  # a name in radixlm.runtime.constrained.GRAMMAR_BACKENDS (docs/structured-output.md)
     jump_forward: bool = True  # requests may still turn it off with sampling_params.jump_forward
     # Jump forward only while at most this many requests run; above it the forced text is decoded
-    # through the mask, one token a step. None: no cap; a jump is taken when it saves more than its
-    # extend step costs (JumpPolicy, measured at start-up on CUDA).
+    # through the mask, one token a step. None: 1 on CUDA with the overlap schedule (planning jumps
+    # costs a host-bound batch more than they spare), else no cap; below the cap a jump is taken when
+    # it saves more than its extend step costs (JumpPolicy, measured at start-up on CUDA).
     jump_forward_max_running: int | None = None
     json_whitespace: str = "compact"
     # Greedy constrained rows skip the mask when the grammar allows the raw argmax (the same token;

@@ -140,7 +140,7 @@ class EngineCore:
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)
         self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self.grammar, self.context_length,
-                                      self._finish_turn, JumpPolicy(max_running=config.constraint.jump_forward_max_running))
+                                      self._finish_turn, JumpPolicy(max_running=self._jump_cap()))
         self.requests: dict[str, EngineRequest] = {}
         self._ahead: StepRun | None = None
         self._ahead_forward: AheadForward | None = None
@@ -229,11 +229,20 @@ class EngineCore:
         if not decode:  # (a context too short for the probe's decode steps: keep the cautious default)
             return self.output.jump_policy
         decode_s = statistics.median(decode)
-        policy = JumpPolicy(decode_s, max(0.0, min(extend) - decode_s), self.config.constraint.jump_forward_max_running)
+        policy = JumpPolicy(decode_s, max(0.0, min(extend) - decode_s), self._jump_cap())
         log.info("jump-forward: an extend step costs %.2f ms more than a %.2f ms decode step: a jump must add "
                  ">= %d forced tokens per running request", 1e3 * policy.penalty_s, 1e3 * decode_s,
                  policy.min_gain(1) or 0)
         return policy
+
+    def _jump_cap(self) -> int | None:
+        """--jump-forward-max-running, or its default: on CUDA with the overlap schedule, jumps
+        only while one request runs. A jump's extend step is queued ahead with the batch's next
+        decodes, but at bs16 and bs64 on an H100 the host, not the GPU, sets the pace of a
+        constrained step there, and planning jumps (the forced text after every token) costs more
+        host time than the passes they spare (docs/structured-output.md)."""
+        cap = self.config.constraint.jump_forward_max_running
+        return 1 if cap is None and self.device.type == "cuda" and self.overlap else cap
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, sub: Submission) -> None:
