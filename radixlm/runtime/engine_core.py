@@ -367,8 +367,11 @@ class EngineCore:
         the tokens `run` drew there, before the host sees them."""
         live = [i for i, r in enumerate(run.samplers) if r.status is Status.RUNNING]
         reqs = [run.samplers[i] for i in live]
-        jumped = self._jumped(reqs)
-        if jumped is None or not self._can_look_ahead(run, reqs + jumped):
+        others = self.scheduler.jumped_besides(reqs)  # requests whose extend joins the step
+        if others is None:
+            return
+        jumped = [self.requests[r.rid] for r in others]
+        if not self._can_look_ahead(run, reqs + jumped):
             return
         extends = self.scheduler.extend_ahead(reqs, jumped)
         if extends is None:
@@ -421,24 +424,6 @@ class EngineCore:
             failed += self.grammar.mask(sub, again)
             tokens[redo] = sample_tokens(sub, self._sampling_batch(again))
         return failed, tokens
-
-    def _jumped(self, reqs: list[EngineRequest]) -> list[EngineRequest] | None:
-        """The running requests besides ``reqs``, each one whose output a jump forward grew on
-        the host (its forced tokens, within one step's prefill budget, still need their KV: the
-        step queued ahead extends them); None when some other running request is not such."""
-        if len(reqs) == len(self.scheduler.running):
-            return []
-        mine = {id(r) for r in reqs}
-        budget = self.config.scheduler.chunked_prefill_size or self.config.scheduler.max_prefill_tokens
-        out = []
-        for r in self.scheduler.running:
-            if id(r) in mine:
-                continue
-            need = r.fill_len - len(r.slots)
-            if not r.output_ids or not 0 < need <= budget:
-                return None
-            out.append(self.requests[r.rid])
-        return out
 
     def _can_look_ahead(self, run: StepRun, reqs: list[EngineRequest]) -> bool:
         """Whether the next step of these requests can be queued before the run's tokens reach

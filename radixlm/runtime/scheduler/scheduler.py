@@ -162,6 +162,27 @@ class Scheduler:
             out.append(self._step(req, n, prefill=True))
         return out
 
+    def jumped_besides(self, reqs: Sequence[Request]) -> list[Request] | None:
+        """The running requests besides ``reqs``, each one whose output a jump forward grew on
+        the host (forced tokens within one step's prefill budget that still need their KV);
+        None when some other running request is not such."""
+        if len(reqs) == len(self.running):
+            return []
+        mine = {id(r) for r in reqs}
+        out = []
+        for r in self.running:
+            if id(r) in mine:
+                continue
+            if not r.output_ids or not 0 < r.fill_len - len(r.slots) <= self.prefill_budget:
+                return None
+            out.append(r)
+        return out
+
+    @property
+    def prefill_budget(self) -> int:
+        """Prompt tokens one step may feed."""
+        return self.config.chunked_prefill_size or self.config.max_prefill_tokens
+
     def abort(self, rid: str) -> Request | None:
         for req in self.waiting + self.running:
             if req.rid == rid:
@@ -197,7 +218,7 @@ class Scheduler:
         decoding = [r for r in self.running if r.is_decoding]
         prefilling = [r for r in self.running if not r.is_decoding]
         out = [self._step(r, 1, prefill=False) for r in self._make_room_for_decode(decoding)]
-        budget = self.config.chunked_prefill_size or self.config.max_prefill_tokens
+        budget = self.prefill_budget
         for req in prefilling:  # a prompt already in flight (chunked) continues first
             if budget <= 0:
                 return out
