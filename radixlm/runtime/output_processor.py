@@ -74,7 +74,7 @@ class OutputProcessor:
         results = []
         constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
         accepted = dict(zip(constrained, self.grammar.accept_all([reqs[i] for i in constrained],
-                                                                 [tokens[i] for i in constrained])))
+                                                                 [tokens[i] for i in constrained]))) if constrained else {}
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.output_ids.append(tok)
             took = accepted.get(i, True)

@@ -35,6 +35,7 @@ __all__ = [
     "GrammarConfig",
     "GrammarMatcher",
     "XGrammarBackend",
+    "accept_run",
     "accept_tokens",
     "bitmask_width",
     "choices_to_ebnf",
@@ -91,7 +92,9 @@ class GrammarConfig:
 class GrammarMatcher(Protocol):
     """Per-request grammar state: every call the engine makes on a matcher. A backend may add
     ``allows(token) -> bool`` (whether the mask would allow ``token``, the state unchanged; False
-    is always safe): greedy rows on the CPU then test the drawn token instead of masking first."""
+    is always safe): greedy rows on the CPU then test the drawn token instead of masking first;
+    and ``accept_many(tokens) -> int`` (accept in order until one is refused; how many were taken)
+    for jump-forward's runs of tokens (:func:`accept_run`)."""
 
     def fill_mask(self, bitmask_row: Any) -> bool:
         """Fill ``bitmask_row`` with the tokens allowed next; False when every token is allowed."""
@@ -134,6 +137,8 @@ def fill_masks(matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequence[
 def accept_tokens(matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool | Exception]:
     """Advance ``matchers[i]`` over ``tokens[i]``, a backend's matchers at once where it can.
     Entry i: whether the grammar took the token, or the exception its matcher raised."""
+    if len(matchers) == 1:
+        return [_call(matchers[0].accept, tokens[0])]
     out: list[bool | Exception] = [False] * len(matchers)
     for cls, idx in _by_type(matchers).items():
         batch = getattr(cls, "accept_batch", None)
@@ -141,6 +146,18 @@ def accept_tokens(matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> 
         for j, i in enumerate(idx):
             out[i] = got[j] if got is not None else _call(matchers[i].accept, tokens[i])
     return out
+
+
+def accept_run(matcher: GrammarMatcher, tokens: Sequence[int]) -> int:
+    """Advance ``matcher`` over ``tokens`` in order until the grammar refuses one; how many it
+    took (in one call where the backend has ``accept_many``)."""
+    many = getattr(matcher, "accept_many", None)
+    if many is not None:
+        return int(many(tokens))
+    for i, t in enumerate(tokens):
+        if not matcher.accept(t):
+            return i
+    return len(tokens)
 
 
 def _by_type(matchers: Sequence[GrammarMatcher]) -> dict[type, list[int]]:

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from radixlm.runtime.constrained.grammar import GrammarMatcher
+from radixlm.runtime.constrained.grammar import GrammarMatcher, accept_run
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
 __all__ = ["MAX_JUMP_CHARS", "Jump", "JumpForward", "JumpPolicy"]
@@ -148,11 +148,10 @@ class JumpForward:
         except UnicodeDecodeError:  # the held-back token split a character
             return None
         matcher.rollback(len(old) - common)
-        for i, t in enumerate(new[common:n]):
-            if not matcher.accept(t):
-                matcher.rollback(i)
-                for t_old in old[common:]:
-                    ok = matcher.accept(t_old)
-                    assert ok, "re-accepting the tokens the matcher accepted before failed"
-                return None
+        took = accept_run(matcher, new[common:n])
+        if took < n - common:
+            matcher.rollback(took)
+            ok = accept_run(matcher, old[common:]) == len(old) - common
+            assert ok, "re-accepting the tokens the matcher accepted before failed"
+            return None
         return Jump(start + common, tuple(new[common:n]), text)

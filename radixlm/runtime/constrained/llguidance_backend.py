@@ -221,10 +221,14 @@ class _VocabTokens:
 
 
 class LLGuidanceMatcher:
-    """One request's state: an llguidance matcher, plus whether a stop token ended it."""
+    """One request's state: an llguidance matcher, plus whether a stop token ended it.
+
+    ``allows`` tests a token by taking it (one call into llguidance, not two, since the token it
+    allows is nearly always the one accepted next): the token stays taken, unseen, until
+    ``accept`` of the same token keeps it; any other call first gives it back (``_settle``)."""
 
     __slots__ = ("_m", "_executor", "vocab_size", "_decoded", "_stops", "_eos", "_extra_stops", "_accepted",
-                 "_terminated")
+                 "_terminated", "_tried")
 
     def __init__(self, matcher: Any, executor: Any, vocab: TokenizerVocab) -> None:
         self._m = matcher
@@ -236,12 +240,21 @@ class LLGuidanceMatcher:
         self._extra_stops = vocab.stop_ids[1:]
         self._accepted = 0
         self._terminated = False
+        self._tried: int | None = None  # the token ``allows`` took ahead of its ``accept``
+
+    def _settle(self) -> None:
+        """Give back a token ``allows`` took that no ``accept`` kept."""
+        if self._tried is not None:
+            self._tried = None
+            if not self._m.rollback(1):
+                raise RuntimeError(f"llguidance: rollback failed: {_clean_error(self._m.get_error())}")
 
     def fill_mask(self, bitmask_row: Any) -> bool:
         """Write the allowed next tokens into ``bitmask_row`` (1-D int32, CPU). Always masks
         (special tokens are never allowed); RuntimeError when llguidance fails."""
         width = bitmask_width(self.vocab_size)
         ptr = mask_pointer(bitmask_row, width)
+        self._settle()
         if self._terminated:
             self._only_stops(bitmask_row)
         else:
@@ -273,6 +286,8 @@ class LLGuidanceMatcher:
         width = bitmask_width(matchers[0].vocab_size)
         try:
             ptr = mask_pointer(bitmask, width, ndim=2)
+            for m in matchers:
+                m._settle()
             live = [(m._m, r) for m, r in zip(matchers, rows) if not m._terminated]
             if live:
                 matchers[0]._executor.unsafe_compute_mask_ptr(live, ptr, 4 * width, int(bitmask.shape[0]))
@@ -291,12 +306,17 @@ class LLGuidanceMatcher:
         return out
 
     def allows(self, token: int) -> bool:
-        """Whether the mask would allow ``token`` next, the state unchanged. Stop tokens answer
-        False (the caller masks the row: exact, and rare); RuntimeError when llguidance fails."""
+        """Whether the mask would allow ``token`` next, the state unchanged as far as any other
+        call sees. Stop tokens answer False (the caller masks the row: exact, and rare);
+        RuntimeError when llguidance fails."""
         token = int(token)
+        if token == self._tried:
+            return True
+        self._settle()
         if self._terminated or not 0 <= token < self.vocab_size or token in self._stops or not self._decoded[token]:
             return False
-        if self._m.validate_tokens([token]) == 1:
+        if self._m.try_consume_tokens([token]) == 1:
+            self._tried = token
             return True
         if self._m.is_error() and not self._dead_end():
             raise self._failure()
@@ -305,6 +325,11 @@ class LLGuidanceMatcher:
     def accept(self, token: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""
         token = int(token)
+        if token == self._tried:
+            self._tried = None
+            self._accepted += 1
+            return True
+        self._settle()
         if self._terminated or not 0 <= token < self.vocab_size:
             return False
         if token in self._stops:
@@ -317,6 +342,23 @@ class LLGuidanceMatcher:
             return False
         self._accepted += 1
         return True
+
+    def accept_many(self, tokens: Sequence[int]) -> int:
+        """Advance over ``tokens`` in order, in one call into llguidance, until the grammar
+        refuses one; how many it took."""
+        self._settle()
+        ids = [int(t) for t in tokens]
+        if self._terminated or any(not 0 <= t < self.vocab_size or t in self._stops or not self._decoded[t]
+                                   for t in ids):
+            for i, t in enumerate(ids):  # stop or special tokens: one at a time
+                if not self.accept(t):
+                    return i
+            return len(ids)
+        took = self._m.try_consume_tokens(ids) if ids else 0
+        if took < len(ids) and self._m.is_error() and not self._dead_end():
+            raise self._failure()
+        self._accepted += took
+        return took
 
     def _failure(self) -> RuntimeError:
         """llguidance's error, which ends this request: its matcher is broken from here."""
@@ -338,6 +380,7 @@ class LLGuidanceMatcher:
             raise ValueError(f"cannot roll back {n} tokens: only {self._accepted} accepted")
         if n == 0:
             return
+        self._settle()
         self._accepted -= n
         if self._terminated:
             self._terminated = False
@@ -350,6 +393,7 @@ class LLGuidanceMatcher:
         ends inside a character), at most ``max_chars`` characters."""
         if self._terminated or max_chars == 0:
             return ""
+        self._settle()
         forced = self._m.compute_ff_bytes()
         if self._m.is_error():
             if self._dead_end():
@@ -360,7 +404,10 @@ class LLGuidanceMatcher:
 
     def is_completed(self) -> bool:
         """True once the text so far is a complete match (a stop token may follow)."""
-        return self._terminated or bool(self._m.is_accepting())
+        if self._terminated:
+            return True
+        self._settle()
+        return bool(self._m.is_accepting())
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted at a point where the grammar may end."""

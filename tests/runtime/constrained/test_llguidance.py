@@ -172,6 +172,48 @@ def test_rollback_restores_mask_forced_text_and_termination(smol_tokenizer, llg,
     assert m.forced_text() == "a" and not m.is_completed()
 
 
+def test_a_token_allows_took_is_invisible_until_accepted(smol_tokenizer, llg, width):
+    """allows() takes the token ahead of accept() (one call into llguidance, not two); every
+    other call first gives it back, so the state any caller sees is unchanged."""
+    prefix = _ids(smol_tokenizer, '{"id":3,"customer":{"name":"Bo')
+    plain = llg.compile("json_schema", ORDER).new_matcher()
+    assert _feed(plain, prefix) is None
+    want_mask, want_forced = _mask(plain, width), plain.forced_text()
+    quote, brace, newline = _ids(smol_tokenizer, '"')[0], _ids(smol_tokenizer, "}")[0], _ids(smol_tokenizer, "\n")[0]
+    m = llg.compile("json_schema", ORDER).new_matcher()
+    assert _feed(m, prefix) is None
+    assert m.allows(quote) and m.allows(quote)  # asked twice: still one token taken
+    assert _mask(m, width) == want_mask and m.forced_text() == want_forced and not m.is_completed()
+    assert m.allows(quote) and not m.allows(newline) and m.allows(quote)  # no raw newline in a JSON string
+    assert m.accept(quote) and m.forced_text() == '},"status":"' and plain.accept(quote)  # kept once accepted
+    assert _mask(m, width) == _mask(plain, width)
+    assert m.allows(brace)
+    m.rollback(1)  # undoes the accepted quote, not the token only tested
+    assert m.forced_text() == want_forced and _mask(m, width) == want_mask
+    assert m.allows(quote) and m.accept(newline) is False and m.accept(quote)  # another token: given back first
+    bitmask = allocate_bitmask(2, width)
+    assert m.allows(brace) and type(m).fill_batch([m, plain], bitmask, [0, 1]) == [True, True]
+    assert torch.equal(bitmask[0], bitmask[1])  # a batch fill gives the tested token back too
+
+
+def test_accept_many_takes_tokens_until_one_is_refused(smol_tokenizer, llg, width):
+    ids = _ids(smol_tokenizer, '{"id":3,"customer":{"name":"Bo"}')
+    one_by_one = llg.compile("json_schema", ORDER).new_matcher()
+    assert _feed(one_by_one, ids) is None
+    m = llg.compile("json_schema", ORDER).new_matcher()
+    assert m.accept_many(ids) == len(ids) and m.accept_many([]) == 0
+    assert _mask(m, width) == _mask(one_by_one, width) and m.forced_text() == one_by_one.forced_text()
+    bad = _ids(smol_tokenizer, ',"status":"open"}')  # "}" before "items": refused there
+    took = m.accept_many(bad)
+    assert 0 < took < len(bad)
+    m.rollback(len(ids) + took)  # counts what it took: all of it rolls back
+    assert m.forced_text() == '{"id":'
+    eos = smol_tokenizer.eos_token_id
+    r = llg.compile("regex", "ab").new_matcher()
+    assert r.accept_many([*_ids(smol_tokenizer, "ab"), eos]) == len(_ids(smol_tokenizer, "ab")) + 1
+    assert r.is_terminated()  # a stop token among them: taken one at a time
+
+
 @pytest.mark.parametrize(
     ("kind", "spec", "prefix", "forced"),
     [

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from radixlm.runtime.config import ConstraintConfig
-from radixlm.runtime.constrained.service import GrammarService
+from radixlm.runtime.constrained.service import GrammarService, text_encoder
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -31,3 +33,21 @@ def test_a_cached_failure_fails_when_submitted(service):
     assert again.done()
     with pytest.raises(ValueError, match="^constrained decoding: cannot compile json_schema: 'minProperties'"):
         again.result()
+
+
+TEXTS = ['{"name":"Émile Zola","age":62}', "  two  spaces\tand a tab\n", "MiXeD CaSe 123", "東京 😀 naïve"]
+
+
+def test_the_text_encoder_is_the_tokenizers_own(smol_tokenizer, vocab):
+    """Jump-forward re-tokenizes through the Rust tokenizer only where it agrees with encode()."""
+    def encode(text):
+        return smol_tokenizer.encode(text, add_special_tokens=False)
+
+    assert vocab.hf_json
+    for hf_json in (vocab.hf_json, ""):
+        enc = text_encoder(smol_tokenizer, hf_json)
+        assert [enc(t) for t in TEXTS] == [encode(t) for t in TEXTS]
+    lowered = json.loads(vocab.hf_json)
+    lowered["normalizer"] = {"type": "Lowercase"}  # a Rust tokenizer that disagrees: not used
+    enc = text_encoder(smol_tokenizer, json.dumps(lowered))
+    assert enc("MiXeD CaSe") == encode("MiXeD CaSe")
