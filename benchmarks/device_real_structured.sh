@@ -20,7 +20,8 @@ cat "$KEEP/p1" "$KEEP/p2" .gpu_assets/p3 > /tmp/smol.gguf || exit 1
 sha256sum /tmp/smol.gguf
 export PYTHONPATH=$PWD:$PWD/benchmarks:$KEEP/site PYTHONUNBUFFERED=1 RADIXLM_CACHE=/tmp/radixlm-cache
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 450 python3 benchmarks/gpu_real_structured.py --model /tmp/smol.gguf --profile \
+# BENCH_ARGS: more arguments for the benchmark (--batches 16,64 --modes 2,6, say)
+timeout 450 python3 benchmarks/gpu_real_structured.py --model /tmp/smol.gguf --profile ${BENCH_ARGS:-} \
   --out "$OUT/gpu_real_structured.json" 2>&1 | grep -v Warning > "$OUT/gpu_real_structured.log"
 grep -E "^(jump|bs|profiled)" "$OUT/gpu_real_structured.log"; grep -A24 "ncalls" "$OUT/gpu_real_structured.log" | cut -c1-150
 if [ "${2:-}" = tests ]; then  # `... run tests`: then the GPU tests, on the same machine

@@ -1,12 +1,14 @@
 """JSON extraction on a real model on the GPU: free text vs json_schema (jumps by the measured
-cost, the same only while one request runs, every jump, no jump, and masks only on a rejected
-greedy token), at batch 1 (prompts one at a time) / 16 / 64 (docs/benchmarks.md, "Structured output on the GPU with real
+cost, the same only while one request runs, every jump, no jump, masks only on a rejected
+greedy token, and the default with every mask filled after the step's text as before
+``GrammarStage.prefill``), at batch 1 (prompts one at a time) / 16 / 64 (docs/benchmarks.md, "Structured output on the GPU with real
 weights"). Random weights force nothing past the first key, so jump-forward cannot pay off there;
 the default model's own weights (its GGUF file) write the records benchmarks/structured_output.py
 asks for, whose keys and punctuation the schema forces.
 
     python3 benchmarks/gpu_real_structured.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf [--out results.json]
         [--profile]   (then: where a bs64 json_schema run spends host time, cProfile)
+        [--batches 1,16,64] [--modes 1,2,3,4,5,6]   (indices into MODES; free text always runs)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from radixlm.runtime.engine import Engine
 
 OUT = 96
 MODES = ["free", "json_schema", "json_schema, jumps alone", "json_schema, every jump", "json_schema, no jump-forward",
-         "json_schema, mask on reject"]
+         "json_schema, mask on reject", "json_schema, jumps alone, masks after text"]
 
 
 def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str, Any]:
@@ -39,8 +41,10 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
     policy, config = core.output.jump_policy, core.grammar.config
     if mode == "json_schema, every jump":
         core.output.jump_policy = JumpPolicy()
-    if mode == "json_schema, jumps alone":  # the measured policy, and jumps only while one request runs
+    if mode.startswith("json_schema, jumps alone"):  # the measured policy, and jumps only while one request runs
         core.output.jump_policy = dataclasses.replace(policy, max_running=1)
+    if mode == "json_schema, jumps alone, masks after text":  # as before GrammarStage.prefill: masks wait for the text
+        core.grammar.prefill = lambda reqs: None  # type: ignore[method-assign]
     if mode == "json_schema, mask on reject":
         core.grammar.config = dataclasses.replace(config, mask_on_reject=True)
     engine.flush_cache()
@@ -49,6 +53,7 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
         outs = [engine.generate(c, params) for c in chats] if one_at_a_time else engine.generate(chats, params)
     finally:
         core.output.jump_policy, core.grammar.config = policy, config
+        core.grammar.__dict__.pop("prefill", None)
     dt = time.perf_counter() - t0
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     passes = sum(o["meta_info"]["forward_passes"] for o in outs)
@@ -64,13 +69,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--modes", default=",".join(str(i) for i in range(len(MODES))),
+                    help="indices into MODES (0, free text, always runs)")
     args = ap.parse_args()
     engine = Engine(args.model, device=args.device, dtype="bfloat16", max_running_requests=128)
     engine.core.warm_up()
     p = engine.core.output.jump_policy
     print(f"jump policy: decode step {1e3 * p.decode_s:.2f} ms, extend penalty {1e3 * p.penalty_s:.2f} ms, "
           f"min gain at 1/16/64 running: {p.min_gain(1)}/{p.min_gain(16)}/{p.min_gain(64)}", flush=True)
-    modes = MODES
+    modes = [MODES[0]] + [MODES[int(i)] for i in args.modes.split(",") if int(i)]
     res: dict[str, Any] = {"jump_policy": dataclasses.asdict(p)}
     for bs in (int(b) for b in args.batches.split(",")):
         chats, alone = (prompts(args.bs1_prompts), True) if bs == 1 else (prompts(bs), False)
@@ -81,11 +88,11 @@ def main() -> None:
             runs[mode].append(run(engine, chats, mode, alone))
         res[bs] = {m: max(rs, key=lambda r: r["out_tok_s"]) for m, rs in runs.items()}
         row = {m: r["out_tok_s"] for m, r in res[bs].items()}
-        j = res[bs]["json_schema"]
+        j = res[bs][modes[1]]
         valid = "/".join(f"{r['valid']}" for m, r in res[bs].items() if m != "free")
         print(f"bs{bs}: free {row['free']:.0f} out tok/s; " + "; ".join(
             f"{m} {row[m]:.0f} ({row[m] / row['free']:.2f}x)" for m in modes[1:])
-            + f"; json_schema passes/out {j['passes_per_output']:.1f} for {j['tokens_per_output']:.1f} tokens;"
+            + f"; {modes[1]} passes/out {j['passes_per_output']:.1f} for {j['tokens_per_output']:.1f} tokens;"
             f" valid {valid} of {j['n']}", flush=True)
     if args.profile:
         chats = prompts(64)

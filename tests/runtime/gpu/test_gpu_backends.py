@@ -243,17 +243,22 @@ _PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLengt
 
 
 def _constrained(tokenizer_dir: str, prompts: list[list[int]], overlap: bool, sampled: bool) -> list[list[int]]:
-    """A mixed batch: two JSON schemas, a regex, choices (jump-forward on and off) and free rows."""
-    engine = Engine("dummy:smollm2-135m", device="cuda", dtype="bfloat16", tokenizer_path=tokenizer_dir,
+    """A mixed batch: two JSON schemas, a regex, choices (jump-forward on and off) and free rows.
+    Both loops jump at any batch size (the CUDA default jumps only while one request runs, so the
+    requests' admission order, set by when their grammars compile, would decide which jump);
+    the grammars are compiled before the batch, so all its requests start together."""
+    engine = Engine("dummy:smollm2-135m", device="cuda", dtype="float32", tokenizer_path=tokenizer_dir,
                     attention_backend="triton", disable_cuda_graph=False, max_total_tokens=20000,
-                    max_running_requests=16, chunked_prefill_size=256, overlap_schedule=overlap)
+                    max_running_requests=16, chunked_prefill_size=256, overlap_schedule=overlap,
+                    jump_forward_max_running=16)
     t = {"temperature": 0.8, "top_p": 0.95} if sampled else {"temperature": 0}
     kinds = [{"json_schema": _PERSON}, {"json_schema": _PERSON, "jump_forward": False},
              {"json_schema": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
              {"regex": r"[0-9]{4}-[0-9]{2}"}, {"choices": ["alpha beta", "gamma"]}, {"ignore_eos": True}]
     params = [{**t, "seed": 10 + i, "max_new_tokens": 32, **kinds[i % len(kinds)]} for i in range(len(prompts))]
+    engine.generate(input_ids=prompts, sampling_params=[{**p, "max_new_tokens": 1} for p in params])  # compiles
     out = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
-    assert overlap is False or engine.core.ahead_steps > 0
+    assert overlap is False or (engine.core.ahead_steps > 0 and engine.core.grammar.masks_ahead > 0)
     engine.core.check_idle_integrity()
     engine.shutdown()
     return out
