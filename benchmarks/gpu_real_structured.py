@@ -1,14 +1,13 @@
 """JSON extraction on a real model on the GPU: free text vs json_schema (jumps by the measured
-cost, the same only while one request runs, every jump, no jump, masks only on a rejected
-greedy token, and the default with every mask filled after the step's text as before
-``GrammarStage.prefill``), at batch 1 (prompts one at a time) / 16 / 64 (docs/benchmarks.md, "Structured output on the GPU with real
+cost, the same only while one request runs, every jump, no jump, and masks only on a rejected
+greedy token), at batch 1 (prompts one at a time) / 16 / 64 (docs/benchmarks.md, "Structured output on the GPU with real
 weights"). Random weights force nothing past the first key, so jump-forward cannot pay off there;
 the default model's own weights (its GGUF file) write the records benchmarks/structured_output.py
 asks for, whose keys and punctuation the schema forces.
 
     python3 benchmarks/gpu_real_structured.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf [--out results.json]
         [--profile]   (then: where a bs64 json_schema run spends host time, cProfile)
-        [--batches 1,16,64] [--modes 1,2,3,4,5,6]   (indices into MODES; free text always runs)
+        [--batches 1,16,64] [--modes 1,2,3,4,5]   (indices into MODES; free text always runs)
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from radixlm.runtime.engine import Engine
 
 OUT = 96
 MODES = ["free", "json_schema", "json_schema, jumps alone", "json_schema, every jump", "json_schema, no jump-forward",
-         "json_schema, mask on reject", "json_schema, jumps alone, masks after text"]
+         "json_schema, mask on reject"]
 
 
 def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str, Any]:
@@ -41,10 +40,8 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
     policy, config = core.output.jump_policy, core.grammar.config
     if mode == "json_schema, every jump":
         core.output.jump_policy = JumpPolicy()
-    if mode.startswith("json_schema, jumps alone"):  # the measured policy, and jumps only while one request runs
+    if mode == "json_schema, jumps alone":  # the measured policy, and jumps only while one request runs
         core.output.jump_policy = dataclasses.replace(policy, max_running=1)
-    if mode == "json_schema, jumps alone, masks after text":  # as before GrammarStage.prefill: masks wait for the text
-        core.grammar.prefill = lambda reqs: None  # type: ignore[method-assign]
     if mode == "json_schema, mask on reject":
         core.grammar.config = dataclasses.replace(config, mask_on_reject=True)
     engine.flush_cache()
@@ -53,7 +50,6 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
         outs = [engine.generate(c, params) for c in chats] if one_at_a_time else engine.generate(chats, params)
     finally:
         core.output.jump_policy, core.grammar.config = policy, config
-        core.grammar.__dict__.pop("prefill", None)
     dt = time.perf_counter() - t0
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     passes = sum(o["meta_info"]["forward_passes"] for o in outs)
