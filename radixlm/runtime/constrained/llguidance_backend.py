@@ -256,10 +256,10 @@ class LLGuidanceMatcher:
         ptr = mask_pointer(bitmask_row, width)
         self._settle()
         if self._terminated:
-            self._only_stops(bitmask_row)
+            self._only_stops(_words(bitmask_row))
         else:
             self._m.unsafe_compute_mask_ptr(ptr, 4 * width)
-            self._finish_row(bitmask_row)
+            self._finish_row(_words(bitmask_row))
         return True
 
     def _only_stops(self, row: Any) -> None:
@@ -294,12 +294,13 @@ class LLGuidanceMatcher:
         except Exception:  # noqa: BLE001 - retried row by row, where the error lands on its own row
             return None
         out: list[bool | Exception] = []
+        words = _words(bitmask)
         for m, r in zip(matchers, rows):
             try:
                 if m._terminated:
-                    m._only_stops(bitmask[r])
+                    m._only_stops(words[r])
                 else:
-                    m._finish_row(bitmask[r])
+                    m._finish_row(words[r])
                 out.append(True)
             except Exception as e:  # noqa: BLE001 - a grammar-engine failure is its own row's
                 out.append(e)
@@ -412,6 +413,12 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         """True once a stop token was accepted at a point where the grammar may end."""
         return self._terminated
+
+
+def _words(mask: Any) -> Any:
+    """The numpy view of a bitmask (torch or numpy, CPU): its per-word reads and writes cost
+    ~0.2 µs there against several µs on a torch tensor, for every row of every step."""
+    return mask.numpy() if hasattr(mask, "numpy") else mask
 
 
 def _bit(token: int) -> int:
