@@ -7,6 +7,7 @@ asks for, whose keys and punctuation the schema forces.
 
     python3 benchmarks/gpu_real_structured.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf [--out results.json]
         [--profile]   (then: where a bs64 json_schema run spends host time, cProfile)
+        [--phases]    (host ms per bs64 step: waiting for tokens, output path, masks, the rest)
         [--batches 1,16,64] [--modes 1,2,3,4,5]   (indices into MODES; free text always runs)
 """
 
@@ -57,6 +58,39 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
             "valid": sum(_valid(o["text"]) for o in outs) if mode != "free" else None, "n": len(outs)}
 
 
+def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
+    """Host milliseconds per step of one batched run, by phase: waiting for the sampled tokens
+    (the device's share), the output path (grammar accept, text, stops), masking, and the rest."""
+    core = engine.core
+    spent: dict[str, float] = {"wait": 0.0, "output": 0.0, "mask": 0.0}
+    fetch_ids, append, mask = core.runner.fetch_ids, core.output.append, core.grammar.mask
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return call
+
+    core.runner.fetch_ids = lambda ids: timed("wait", fetch_ids(ids))  # type: ignore[method-assign]
+    core.output.append = timed("output", append)  # type: ignore[method-assign]
+    core.grammar.mask = timed("mask", mask)  # type: ignore[method-assign]
+    steps0 = core.steps
+    t0 = time.perf_counter()
+    try:
+        run(engine, chats, mode, False)
+    finally:
+        del core.runner.fetch_ids, core.output.append, core.grammar.mask
+    total = time.perf_counter() - t0
+    steps = max(core.steps - steps0, 1)
+    out = {k: 1e3 * v / steps for k, v in spent.items()}
+    out["rest"] = 1e3 * total / steps - sum(out.values())
+    out["steps"] = steps
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -65,6 +99,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--phases", action="store_true", help="host ms per bs64 step by phase")
     ap.add_argument("--modes", default=",".join(str(i) for i in range(len(MODES))),
                     help="indices into MODES (0, free text, always runs)")
     args = ap.parse_args()
@@ -90,6 +125,12 @@ def main() -> None:
             f"{m} {row[m]:.0f} ({row[m] / row['free']:.2f}x)" for m in modes[1:])
             + f"; {modes[1]} passes/out {j['passes_per_output']:.1f} for {j['tokens_per_output']:.1f} tokens;"
             f" valid {valid} of {j['n']}", flush=True)
+    if args.phases:
+        for mode in ("free", "json_schema, no jump-forward"):
+            ph = phases(engine, prompts(64), mode)
+            res[f"phases bs64 {mode}"] = ph
+            print(f"phases bs64 {mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()) + " (ms a step)",
+                  flush=True)
     if args.profile:
         chats = prompts(64)
         prof = cProfile.Profile()
