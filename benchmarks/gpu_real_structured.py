@@ -60,10 +60,15 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
 
 def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
     """Host milliseconds per step of one batched run, by phase: waiting for the sampled tokens
-    (the device's share), the output path (grammar accept, text, stops), masking, and the rest."""
+    (the device's share), the output path (grammar accept, text, stops), masking (of which the
+    grammar engine's fill and the apply), and the rest (scheduling, launching the forward and
+    the sampling)."""
+    from radixlm.runtime import grammar_stage
+
     core = engine.core
-    spent: dict[str, float] = {"wait": 0.0, "output": 0.0, "mask": 0.0}
-    fetch_ids, append, mask = core.runner.fetch_ids, core.output.append, core.grammar.mask
+    spent: dict[str, float] = {"wait": 0.0, "output": 0.0, "mask": 0.0, "fill": 0.0, "apply": 0.0}
+    saved = (core.runner.fetch_ids, core.output.append, core.grammar.mask, grammar_stage.fill_masks,
+             grammar_stage.apply_bitmask_)
 
     def timed(name: str, fn: Any) -> Any:
         def call(*a: Any, **k: Any) -> Any:
@@ -74,19 +79,29 @@ def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
                 spent[name] += time.perf_counter() - t0
         return call
 
-    core.runner.fetch_ids = lambda ids: timed("wait", fetch_ids(ids))  # type: ignore[method-assign]
-    core.output.append = timed("output", append)  # type: ignore[method-assign]
-    core.grammar.mask = timed("mask", mask)  # type: ignore[method-assign]
+    core.runner.fetch_ids = lambda ids: timed("wait", saved[0](ids))  # type: ignore[method-assign]
+    core.output.append = timed("output", saved[1])  # type: ignore[method-assign]
+    core.grammar.mask = timed("mask", saved[2])  # type: ignore[method-assign]
+    grammar_stage.fill_masks = timed("fill", saved[3])
+    grammar_stage.apply_bitmask_ = timed("apply", saved[4])
+    params: dict[str, Any] = {"temperature": 0, "max_new_tokens": OUT}
+    if mode == "free":
+        params["ignore_eos"] = True
+    else:
+        params.update(json_schema=json.dumps(SCHEMA), jump_forward=False)
+    engine.flush_cache()
     steps0 = core.steps
     t0 = time.perf_counter()
     try:
-        run(engine, chats, mode, False)
+        engine.generate(chats, params)
     finally:
+        total = time.perf_counter() - t0
         del core.runner.fetch_ids, core.output.append, core.grammar.mask
-    total = time.perf_counter() - t0
+        grammar_stage.fill_masks, grammar_stage.apply_bitmask_ = saved[3], saved[4]
     steps = max(core.steps - steps0, 1)
     out = {k: 1e3 * v / steps for k, v in spent.items()}
-    out["rest"] = 1e3 * total / steps - sum(out.values())
+    out["rest"] = 1e3 * total / steps - out["wait"] - out["output"] - out["mask"]
+    out["step"] = 1e3 * total / steps
     out["steps"] = steps
     return out
 
@@ -126,7 +141,7 @@ def main() -> None:
             + f"; {modes[1]} passes/out {j['passes_per_output']:.1f} for {j['tokens_per_output']:.1f} tokens;"
             f" valid {valid} of {j['n']}", flush=True)
     if args.phases:
-        for mode in ("free", "json_schema, no jump-forward"):
+        for mode in ("free", "json_schema, no jump-forward", "free", "json_schema, no jump-forward"):
             ph = phases(engine, prompts(64), mode)
             res[f"phases bs64 {mode}"] = ph
             print(f"phases bs64 {mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()) + " (ms a step)",
