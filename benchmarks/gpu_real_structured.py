@@ -8,7 +8,7 @@ asks for, whose keys and punctuation the schema forces.
     python3 benchmarks/gpu_real_structured.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf [--out results.json]
         [--profile]   (then: where a bs64 json_schema run spends host time, cProfile)
         [--phases]    (host ms per bs64 step: waiting for tokens, output path, masks, the rest)
-        [--batches 1,16,64] [--modes 1,2,3,4,5]   (indices into MODES; free text always runs)
+        [--batches 1,16,64] [--modes 1,2,3,4,5,6]   (indices into MODES; free text always runs)
 """
 
 from __future__ import annotations
@@ -27,14 +27,19 @@ from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.engine import Engine
 
 OUT = 96
+# The records' mean length in tokens under the schema (44.0 a record at bs16/64 in every run so
+# far): "free, same length" writes as many tokens of free text, so the two pay the same prefill
+# and admission per token and the ratio shows the grammar's own cost.
+SAME_LENGTH = 44
 MODES = ["free", "json_schema", "json_schema, jumps alone", "json_schema, every jump", "json_schema, no jump-forward",
-         "json_schema, mask on reject"]
+         "json_schema, mask on reject", "free, same length"]
 
 
 def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str, Any]:
     params: dict[str, Any] = {"temperature": 0, "max_new_tokens": OUT}
-    if mode == "free":
+    if mode.startswith("free"):
         params["ignore_eos"] = True
+        params["max_new_tokens"] = SAME_LENGTH if mode == "free, same length" else OUT
     else:
         params.update(json_schema=json.dumps(SCHEMA), jump_forward=mode != "json_schema, no jump-forward")
     core = engine.core
@@ -55,7 +60,7 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     passes = sum(o["meta_info"]["forward_passes"] for o in outs)
     return {"out_tok_s": tokens / dt, "tokens_per_output": tokens / len(outs), "passes_per_output": passes / len(outs),
-            "valid": sum(_valid(o["text"]) for o in outs) if mode != "free" else None, "n": len(outs)}
+            "valid": sum(_valid(o["text"]) for o in outs) if not mode.startswith("free") else None, "n": len(outs)}
 
 
 def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
@@ -85,8 +90,9 @@ def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
     grammar_stage.fill_masks = timed("fill", saved[3])
     grammar_stage.apply_bitmask_ = timed("apply", saved[4])
     params: dict[str, Any] = {"temperature": 0, "max_new_tokens": OUT}
-    if mode == "free":
+    if mode.startswith("free"):
         params["ignore_eos"] = True
+        params["max_new_tokens"] = SAME_LENGTH if mode == "free, same length" else OUT
     else:
         params.update(json_schema=json.dumps(SCHEMA), jump_forward=False)
     engine.flush_cache()
@@ -135,13 +141,17 @@ def main() -> None:
         res[bs] = {m: max(rs, key=lambda r: r["out_tok_s"]) for m, rs in runs.items()}
         row = {m: r["out_tok_s"] for m, r in res[bs].items()}
         j = res[bs][modes[1]]
-        valid = "/".join(f"{r['valid']}" for m, r in res[bs].items() if m != "free")
+        valid = "/".join(f"{r['valid']}" for m, r in res[bs].items() if not m.startswith("free"))
         print(f"bs{bs}: free {row['free']:.0f} out tok/s; " + "; ".join(
             f"{m} {row[m]:.0f} ({row[m] / row['free']:.2f}x)" for m in modes[1:])
             + f"; {modes[1]} passes/out {j['passes_per_output']:.1f} for {j['tokens_per_output']:.1f} tokens;"
             f" valid {valid} of {j['n']}", flush=True)
+        if "free, same length" in row:
+            short = row["free, same length"]
+            print(f"bs{bs} against free text of the same length ({short:.0f} out tok/s): " + "; ".join(
+                f"{m} {row[m] / short:.2f}x" for m in modes[1:] if not m.startswith("free")), flush=True)
     if args.phases:
-        for mode in ("free", "json_schema, no jump-forward", "free", "json_schema, no jump-forward"):
+        for mode in ("free", "free, same length", "json_schema, no jump-forward") * 2:
             ph = phases(engine, prompts(64), mode)
             res[f"phases bs64 {mode}"] = ph
             print(f"phases bs64 {mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()) + " (ms a step)",
