@@ -244,11 +244,12 @@ _PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLengt
 
 def _constrained(tokenizer_dir: str, prompts: list[list[int]], overlap: bool, sampled: bool) -> list[list[int]]:
     """A mixed batch: two JSON schemas, a regex, choices (jump-forward on and off) and free rows.
-    Both loops jump at any batch size (the CUDA default jumps only while one request runs, so the
-    requests' admission order, set by when their grammars compile, would decide which jump); the
-    grammars are compiled before the batch, so all its requests start together; fp32, since bf16
-    rounds differently with the batch's composition (a step queued ahead holds rows of requests
-    that finished or jumped meanwhile), which flipped a token now and then."""
+    Both loops get the same jump cap (by default the overlap loop on CUDA jumps only while one
+    request runs and the plain loop at any batch size, so they would jump at different points);
+    the grammars are compiled before the batch, so all its requests start together whatever the
+    compile times; fp32, since bf16 rounds differently with the batch's composition (a step queued
+    ahead holds rows of requests that finished or jumped meanwhile), which flipped a token now and
+    then."""
     engine = Engine("dummy:smollm2-135m", device="cuda", dtype="float32", tokenizer_path=tokenizer_dir,
                     attention_backend="triton", disable_cuda_graph=False, max_total_tokens=20000,
                     max_running_requests=16, chunked_prefill_size=256, overlap_schedule=overlap,
