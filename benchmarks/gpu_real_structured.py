@@ -35,13 +35,19 @@ MODES = ["free", "json_schema", "json_schema, jumps alone", "json_schema, every 
          "json_schema, mask on reject", "free, same length"]
 
 
-def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str, Any]:
+def _params(mode: str) -> dict[str, Any]:
+    """A mode's sampling params (its jump policy and mask config are set on the engine)."""
     params: dict[str, Any] = {"temperature": 0, "max_new_tokens": OUT}
     if mode.startswith("free"):
         params["ignore_eos"] = True
         params["max_new_tokens"] = SAME_LENGTH if mode == "free, same length" else OUT
     else:
         params.update(json_schema=json.dumps(SCHEMA), jump_forward=mode != "json_schema, no jump-forward")
+    return params
+
+
+def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str, Any]:
+    params = _params(mode)
     core = engine.core
     policy, config = core.output.jump_policy, core.grammar.config
     if mode == "json_schema, every jump":
@@ -89,12 +95,7 @@ def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
     core.grammar.mask = timed("mask", saved[2])  # type: ignore[method-assign]
     grammar_stage.fill_masks = timed("fill", saved[3])
     grammar_stage.apply_bitmask_ = timed("apply", saved[4])
-    params: dict[str, Any] = {"temperature": 0, "max_new_tokens": OUT}
-    if mode.startswith("free"):
-        params["ignore_eos"] = True
-        params["max_new_tokens"] = SAME_LENGTH if mode == "free, same length" else OUT
-    else:
-        params.update(json_schema=json.dumps(SCHEMA), jump_forward=False)
+    params = _params(mode)
     engine.flush_cache()
     steps0 = core.steps
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ __all__ = [
     "GrammarConfig",
     "GrammarMatcher",
     "XGrammarBackend",
+    "accept_in_turn",
     "accept_run",
     "accept_tokens",
     "bitmask_width",
@@ -152,10 +153,13 @@ def accept_run(matcher: GrammarMatcher, tokens: Sequence[int]) -> int:
     """Advance ``matcher`` over ``tokens`` in order until the grammar refuses one; how many it
     took (in one call where the backend has ``accept_many``)."""
     many = getattr(matcher, "accept_many", None)
-    if many is not None:
-        return int(many(tokens))
+    return int(many(tokens)) if many is not None else accept_in_turn(matcher.accept, tokens)
+
+
+def accept_in_turn(accept: Callable[[int], bool], tokens: Sequence[int]) -> int:
+    """Call ``accept`` on each token in order until it refuses one; how many it took."""
     for i, t in enumerate(tokens):
-        if not matcher.accept(t):
+        if not accept(t):
             return i
     return len(tokens)
 

@@ -36,7 +36,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixlm.runtime.constrained import structural_tag
-from radixlm.runtime.constrained.grammar import CachedGrammarBackend, GrammarConfig, bitmask_width, mask_pointer
+from radixlm.runtime.constrained.grammar import (
+    CachedGrammarBackend,
+    GrammarConfig,
+    accept_in_turn,
+    bitmask_width,
+    mask_pointer,
+)
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
@@ -351,10 +357,7 @@ class LLGuidanceMatcher:
         ids = [int(t) for t in tokens]
         if self._terminated or any(not 0 <= t < self.vocab_size or t in self._stops or not self._decoded[t]
                                    for t in ids):
-            for i, t in enumerate(ids):  # stop or special tokens: one at a time
-                if not self.accept(t):
-                    return i
-            return len(ids)
+            return accept_in_turn(self.accept, ids)  # stop or special tokens: one at a time
         took = self._m.try_consume_tokens(ids) if ids else 0
         if took < len(ids) and self._m.is_error() and not self._dead_end():
             raise self._failure()
