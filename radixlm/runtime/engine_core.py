@@ -52,6 +52,7 @@ from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduled, Scheduler, Status
 from radixlm.runtime.sessions import SessionManager, prepended_bos
 from radixlm.runtime.stop import StopMatcher
+from radixlm.runtime.tokenizer_loader import load_tokenizer
 
 log = logging.getLogger("radixlm.engine")
 
@@ -99,8 +100,6 @@ class AheadForward:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
         self.source = source or resolve_model(mc.model, Path(mc.cache_dir), mc.tokenizer_path)
@@ -109,7 +108,7 @@ class EngineCore:
             raise ValueError(f"unknown cache {cc.cache!r}; choose one of {sorted(CACHES)}")
         check_grammar_backend(config.constraint.grammar_backend)  # fail at start, not at the first constrained request
         self.context_length = context_length(config, arch.max_position_embeddings)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.tokenizer_dir))
+        self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         tp_size = config.parallel.tp_size
         self.workers: WorkerSet | None = None
         if tp_size > 1:

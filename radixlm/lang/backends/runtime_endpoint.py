@@ -28,6 +28,7 @@ from radixlm.runtime.programs.connection import prefill_body, score_body, score_
 from radixlm.runtime.programs.executor import RunContext
 from radixlm.runtime.programs.ir import ForkNode, GenNode, Graph
 from radixlm.runtime.programs.state import StateCore
+from radixlm.runtime.tokenizer_loader import load_tokenizer
 
 ProgramMode = Literal["auto", "server", "client"]
 PROGRAM_MODES: tuple[ProgramMode, ...] = ("auto", "server", "client")
@@ -97,10 +98,8 @@ class RuntimeEndpoint(Backend):
         if not path or not os.path.isdir(path):
             self.template_source = "fallback"
             return FALLBACK
-        from transformers import AutoTokenizer
-
         self.template_source = "local tokenizer"
-        return from_tokenizer(AutoTokenizer.from_pretrained(path))
+        return from_tokenizer(load_tokenizer(path))
 
     def open_session(self, capacity: int | None = None, ttl: float | None = None,
                      session_id: str | None = None) -> str:

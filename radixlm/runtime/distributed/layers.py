@@ -31,7 +31,7 @@ class VocabParallelEmbedding(nn.Embedding):
     comes from the one rank that holds it, the others add zeros."""
 
     def __init__(self, plan: ShardPlan, hidden: int, group: TPGroup) -> None:
-        super().__init__(plan.vocab_per_rank, hidden)
+        super().__init__(plan.vocab_per_rank, hidden, _weight=torch.empty(plan.vocab_per_rank, hidden))
         self.start = plan.vocab_start
         self.group = group
 

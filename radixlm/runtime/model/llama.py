@@ -194,7 +194,11 @@ class LlamaModel(nn.Module):
         self.plan = None if tp is None else ShardPlan.of(arch, tp.rank, tp.size)
         self.shard = arch if self.plan is None else self.plan.local_shape(arch)
         shard = self.shard
-        self.embed_tokens = (nn.Embedding(arch.vocab_size, arch.hidden_size) if self.plan is None or tp is None
+        # (an explicit weight skips nn.Embedding's random init: on the meta device that init
+        # imports torch._dynamo, ~0.7 s of every engine start; build_model fills the weights)
+        self.embed_tokens = (nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                          _weight=torch.empty(arch.vocab_size, arch.hidden_size))
+                             if self.plan is None or tp is None
                              else VocabParallelEmbedding(self.plan, arch.hidden_size, tp))
         self.layers = nn.ModuleList(DecoderLayer(shard, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

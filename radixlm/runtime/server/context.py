@@ -55,7 +55,13 @@ class ServerContext:
     async def start(self) -> None:
         """Start the engine process (model load + warm-up), then the tokenizer; then ready."""
         self._client = EngineClient(self.engine_config)
-        self.info = await self._client.start()
+        # the tokenizer's code imports (~1 s) while the engine process loads the model: only the
+        # engine knows the tokenizer's directory, but the import need not wait for it
+        importing = asyncio.create_task(asyncio.to_thread(ServerTokenizer.import_code))
+        try:
+            self.info = await self._client.start()
+        finally:
+            await importing
         self._tokenizer = await asyncio.to_thread(ServerTokenizer.load, self.info)
         self._tokenizer.special_in_content = self.settings.special_tokens_in_content
         self._dispatcher = Dispatcher(self._client, self.metrics, self.settings.max_queued_requests,

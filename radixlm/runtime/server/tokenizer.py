@@ -8,6 +8,7 @@ from typing import Any
 
 from radixlm.runtime.chat_template import check_plain_spans, encode_with_plain_spans, from_tokenizer
 from radixlm.runtime.server.errors import ApiError
+from radixlm.runtime.tokenizer_loader import import_tokenizer_code, load_tokenizer
 
 _TOKEN_TEXT_CACHE = 65536
 # Stands in for a message's content while the chat template renders (then split out again).
@@ -34,11 +35,14 @@ class ServerTokenizer:
         self.special_texts = tuple(sorted({t.content for t in decoder.values() if getattr(t, "special", False)}
                                           | set(getattr(tokenizer, "all_special_tokens", []) or [])))
 
+    @staticmethod
+    def import_code() -> None:
+        """Import what ``load`` needs, ahead of knowing the tokenizer's directory."""
+        import_tokenizer_code()
+
     @classmethod
     def load(cls, info: Mapping[str, Any]) -> ServerTokenizer:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])
+        tok = load_tokenizer(info["tokenizer_path"])
         return cls(tok, int(info["context_length"]), int(info["vocab_size"]))
 
     # -- prompts ------------------------------------------------------------------------
