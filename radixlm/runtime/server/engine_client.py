@@ -53,7 +53,8 @@ class EngineClient:
         self._to_engine.bind(in_addr)
         self._from_engine.bind(out_addr)
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(config, in_addr, out_addr), name="radixlm-engine", daemon=True
+            target=run_engine_process, args=(config, in_addr, out_addr, os.getpid()), name="radixlm-engine",
+            daemon=True
         )
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}

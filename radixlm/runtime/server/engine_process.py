@@ -6,6 +6,7 @@ parsing, tokenizing and JSON never stall the model, and the model never stalls t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -56,44 +57,78 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
     }
 
 
-def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> None:
-    """Entry point of the engine process (spawned by EngineClient)."""
+class ServerGone(Exception):
+    """The server process died without a Shutdown (SIGKILL): nothing reads the outputs any more."""
+
+
+class Outbox:
+    """The socket to the server. A send waits while the server is slow to read its outputs, but
+    not once it is gone: a PUSH socket whose reader died blocks for good once its queue is full,
+    and an engine stuck there would outlive the server, holding its memory."""
+
+    def __init__(self, sock: zmq.Socket[Any], parent: int) -> None:
+        self.sock = sock
+        self.parent = parent
+        sock.setsockopt(zmq.SNDTIMEO, PARENT_CHECK_MS)
+
+    def check_parent(self) -> None:
+        if os.getppid() != self.parent:
+            raise ServerGone
+
+    def send(self, msg: Any) -> None:
+        while True:
+            try:
+                self.sock.send_pyobj(msg)
+                return
+            except zmq.Again:
+                self.check_parent()
+
+
+def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str, parent: int | None = None) -> None:
+    """Entry point of the engine process (spawned by EngineClient; ``parent``: the server's pid)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(out_addr)
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(out_addr)
+    outbox = Outbox(sock, os.getppid() if parent is None else parent)
     try:
-        core = EngineCore(config)
-        core.warm_up()
-        # The model, tokenizer and grammar vocabularies are millions of long-lived objects: keep
-        # them out of the cyclic collector, whose full passes would otherwise stall steps.
-        gc.collect()
-        gc.freeze()
-    except Exception as e:  # noqa: BLE001 - reported to the server, which exits with it
-        outbox.send_pyobj(Ready({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
-        return
-    outbox.send_pyobj(Ready(core.info()))
-    try:
-        _serve(core, inbox, outbox)
-    except Exception as e:
-        core.close(graceful=False)
-        # Tell the server why before dying; it notices the exit itself (the process sentinel).
-        outbox.send_pyobj(Crashed(f"{type(e).__name__}: {e}"))
-        ctx.destroy(linger=CRASH_LINGER_MS)
-        raise  # the traceback goes to stderr (the server's log) and the exit code is 1
-    core.close()
+        try:
+            core = EngineCore(config)
+            core.warm_up()
+            # The model, tokenizer and grammar vocabularies are millions of long-lived objects: keep
+            # them out of the cyclic collector, whose full passes would otherwise stall steps.
+            gc.collect()
+            gc.freeze()
+        except Exception as e:  # noqa: BLE001 - reported to the server, which exits with it
+            outbox.send(Ready({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
+            return
+        outbox.send(Ready(core.info()))
+        try:
+            _serve(core, inbox, outbox)
+        except ServerGone:
+            core.close(graceful=False)
+            raise
+        except Exception as e:
+            core.close(graceful=False)
+            # Tell the server why before dying; it notices the exit itself (the process sentinel).
+            with contextlib.suppress(ServerGone):
+                outbox.send(Crashed(f"{type(e).__name__}: {e}"))
+            ctx.destroy(linger=CRASH_LINGER_MS)
+            raise  # the traceback goes to stderr (the server's log) and the exit code is 1
+        core.close()
+    except ServerGone:  # don't linger as an orphan, nor wait at exit for queued outputs nobody reads
+        ctx.destroy(linger=0)
 
 
-def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any]) -> None:
-    """Handle messages and step while there is work; returns on Shutdown or when the server is gone."""
+def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: Outbox) -> None:
+    """Handle messages and step while there is work; returns on Shutdown, raises ServerGone when
+    the server died without one."""
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
-    parent = os.getppid()
     while True:
-        if os.getppid() != parent:  # the server died without a Shutdown (SIGKILL): don't linger as an orphan
-            return
+        outbox.check_parent()
         core.check_ranks()  # a dead tensor-parallel rank ends this process, idle or not: the server restarts it
         timeout = 0 if core.has_work else PARENT_CHECK_MS
         core.sessions.expire()  # also while idle, so expired sessions stop pinning KV
@@ -103,8 +138,8 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any]) ->
                 for rid in list(core.requests):
                     out = core.abort(rid)
                     if out is not None:
-                        outbox.send_pyobj(StepOutputs([out]))
-                outbox.send_pyobj(Reply(-1))
+                        outbox.send(StepOutputs([out]))
+                outbox.send(Reply(-1))
                 return
             _handle(core, msg, outbox)
             timeout = 0
@@ -117,41 +152,41 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any]) ->
                 message = f"engine step failed: {type(e).__name__}: {e}"
                 for rid in list(core.requests):
                     core.abort(rid)
-                    outbox.send_pyobj(RequestFailed(rid, message, bad_input=False))
+                    outbox.send(RequestFailed(rid, message, bad_input=False))
                 continue
             for out in outputs:
                 if out.error is not None:  # failed before it ran: its constraint did not compile
-                    outbox.send_pyobj(RequestFailed(out.rid, out.error, bad_input=True))
+                    outbox.send(RequestFailed(out.rid, out.error, bad_input=True))
             outputs = [o for o in outputs if o.error is None]
             if outputs:
-                outbox.send_pyobj(StepOutputs(outputs))
+                outbox.send(StepOutputs(outputs))
 
 
-def _handle(core: EngineCore, msg: Any, outbox: zmq.Socket[Any]) -> None:
+def _handle(core: EngineCore, msg: Any, outbox: Outbox) -> None:
     if isinstance(msg, Submission):  # parsed and checked at the edge: it goes in as it is
         try:
             core.add_request(msg)
         except ValueError as e:
-            outbox.send_pyobj(RequestFailed(msg.rid, str(e), bad_input=True,
+            outbox.send(RequestFailed(msg.rid, str(e), bad_input=True,
                                             not_found=isinstance(e, SessionNotFoundError)))
     elif isinstance(msg, EndProgram):
         core.end_program(msg.program_id)
     elif isinstance(msg, AbortRequest):
         out = core.abort(msg.rid)
         if out is not None:
-            outbox.send_pyobj(StepOutputs([out]))
+            outbox.send(StepOutputs([out]))
     elif isinstance(msg, Query):
         if msg.kind == "flush_cache":
             ok = not core.has_work
             if ok:
                 core.flush_cache()
-            outbox.send_pyobj(Reply(msg.token, {"flushed": ok}))
+            outbox.send(Reply(msg.token, {"flushed": ok}))
         elif msg.kind == "check":
-            outbox.send_pyobj(Reply(msg.token, core.integrity_report()))
+            outbox.send(Reply(msg.token, core.integrity_report()))
         elif msg.kind in ("open_session", "close_session"):
-            outbox.send_pyobj(Reply(msg.token, _session_query(core, msg.kind, msg.args)))
+            outbox.send(Reply(msg.token, _session_query(core, msg.kind, msg.args)))
         else:
-            outbox.send_pyobj(Reply(msg.token, engine_stats(core)))
+            outbox.send(Reply(msg.token, engine_stats(core)))
 
 
 def _session_query(core: EngineCore, kind: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Faults of a real `radixlm serve` process: a client that stops reading its stream, and the
-engine process killed with SIGKILL (restarted once with --restart-on-failure, then not again).
+engine process killed with SIGKILL (restarted once with --restart-on-failure, then not again), and
+the server killed with SIGKILL (its engine process exits too).
 
-The tests run in file order on one server: the crash-loop test leaves its engine dead.
+The tests run in file order on one server (the last starts its own): the crash-loop test leaves its
+engine dead.
 """
 
 from __future__ import annotations
@@ -189,3 +191,36 @@ def test_crash_loop_ends_in_503(server: Server):
         _assert_engine_dead(got)
     assert server.get("/get_server_info")[0] == 503
     assert server.metric("radixlm_engine_up") == 0 and server.metric("radixlm_engine_restarts_total") == 1
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its new parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line for line in f)
+    except OSError:
+        return False
+
+
+def test_a_killed_server_takes_its_engine_with_it():
+    """SIGKILL of the server mid-stream: its engine process, whose outputs nobody reads any more,
+    exits (it once stayed, generating and then waiting to send, holding ~1.3 GB for good)."""
+    s = start_server("--dtype", "float32", "--max-total-tokens", "4096")
+    engine = s.server_info()["engine_pid"]
+
+    async def stream_then_kill() -> None:
+        async with aiohttp.ClientSession() as session, session.post(
+                s.url + "/generate", json={**LONG, "stream": True}) as r:
+            await r.content.readline()  # the engine is generating
+            s.proc.kill()
+            s.proc.wait()
+
+    try:
+        asyncio.run(stream_then_kill())
+        poll("the orphaned engine to exit", lambda: not _running(engine), deadline_s=60)
+    finally:
+        if _running(engine):
+            os.kill(engine, signal.SIGKILL)
+        if s.proc.poll() is None:
+            s.proc.kill()
+        os.unlink(s.log_path)
