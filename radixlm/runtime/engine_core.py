@@ -111,11 +111,14 @@ class EngineCore:
         self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         tp_size = config.parallel.tp_size
         self.workers: WorkerSet | None = None
+        self._threads_before: int | None = None  # torch's threads before this engine took its share
         if tp_size > 1:
             check_parallel(config, arch)  # bad sizes fail here, before any process starts
             self.workers = WorkerSet(__name__, config.flat(), tp_size)
             if mc.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-                torch.set_num_threads(cpu_threads(tp_size))  # rank 0 takes its share like the workers
+                # rank 0 takes its share like the workers; the process gets its threads back at close()
+                self._threads_before = torch.get_num_threads()
+                torch.set_num_threads(cpu_threads(tp_size))
         self.device = tp_device(mc.device, 0)
         try:  # (what can fail once the workers run; they are stopped then)
             group = None if self.workers is None else init_tp_group(
@@ -125,6 +128,8 @@ class EngineCore:
         except BaseException:
             if self.workers is not None:
                 self.workers.stop(grace_s=0)
+            if self._threads_before is not None:
+                torch.set_num_threads(self._threads_before)
             raise
         self.leader = None if group is None or self.workers is None else Leader(StepChannel(group), self.workers)
         self.runner.leader = self.leader
@@ -153,14 +158,18 @@ class EngineCore:
             self.leader.workers.check()
 
     def close(self, graceful: bool = True) -> None:
-        """Stop the tensor-parallel worker ranks (nothing to do without tensor parallelism);
-        not `graceful`: kill them at once (the ranks may be out of step)."""
+        """Stop the tensor-parallel worker ranks (nothing to do without tensor parallelism) and
+        give the process back the torch threads rank 0 gave up for them; not `graceful`: kill the
+        workers at once (the ranks may be out of step)."""
         if self.leader is not None:
             if graceful:
                 self.leader.stop()
             else:
                 self.leader.workers.stop(grace_s=0)
             self.leader = self.runner.leader = None
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def _grammar_service(self) -> GrammarService:
         return GrammarService(self.tokenizer, self.source.arch.vocab_size, sorted(self.eos_ids), self.config.constraint)

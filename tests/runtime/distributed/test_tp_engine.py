@@ -27,12 +27,15 @@ def step_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
 
 
 def run(model: str, dtype: str, tp: int, ids: list[int], **opts: object) -> tuple[list[list[int]], torch.Tensor]:
+    threads = torch.get_num_threads()
     with Engine(model, dtype=dtype, tp_size=tp, **OPTS, **opts) as engine:
         outs = engine.generate(PROMPTS, GREEDY)
         assert (engine.core.ahead_steps > 0) == bool(opts.get("overlap_schedule"))
         logits = step_logits(engine, ids)
         procs = engine.core.workers.procs if engine.core.workers else []
     assert all(p.returncode == 0 for p in procs)  # shutdown stops every worker cleanly
+    # rank 0 took its share of the cores while the workers ran; the process has its threads back
+    assert torch.get_num_threads() == threads
     return [o["output_ids"] for o in outs], logits
 
 
