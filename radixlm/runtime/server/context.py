@@ -60,8 +60,8 @@ class ServerContext:
         importing = asyncio.create_task(asyncio.to_thread(ServerTokenizer.import_code))
         try:
             self.info = await self._client.start()
-        finally:
-            await importing
+        finally:  # (an import that failed fails the load below, after the engine's own errors)
+            await asyncio.gather(importing, return_exceptions=True)
         self._tokenizer = await asyncio.to_thread(ServerTokenizer.load, self.info)
         self._tokenizer.special_in_content = self.settings.special_tokens_in_content
         self._dispatcher = Dispatcher(self._client, self.metrics, self.settings.max_queued_requests,

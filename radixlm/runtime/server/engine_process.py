@@ -84,7 +84,7 @@ class Outbox:
                 self.check_parent()
 
 
-def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str, parent: int | None = None) -> None:
+def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str, parent: int) -> None:
     """Entry point of the engine process (spawned by EngineClient; ``parent``: the server's pid)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
     ctx = zmq.Context()
@@ -92,7 +92,7 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str, parent
     inbox.connect(in_addr)
     sock = ctx.socket(zmq.PUSH)
     sock.connect(out_addr)
-    outbox = Outbox(sock, os.getppid() if parent is None else parent)
+    outbox = Outbox(sock, parent)
     try:
         try:
             core = EngineCore(config)
