@@ -16,6 +16,8 @@ from radixlm.router.config import RouterConfig
 from radixlm.router.runner import route
 
 log = logging.getLogger("radixlm.router")
+# (radixlm/runtime/server/runner.py reads it: the router never imports the runtime)
+LAUNCHER_PID_ENV = "RADIXLM_LAUNCHER_PID"
 STOP_WAIT_S = 60.0  # after SIGTERM, past the replicas' own grace, before they are killed
 
 
@@ -46,7 +48,7 @@ async def serve_replicas(replica_args: Sequence[str], dp_size: int, gpus: int, o
     for i, port in enumerate(ports):
         cmd = [sys.executable, "-m", "radixlm.cli", "serve", *replica_args, "--host", "127.0.0.1",
                "--port", str(port)]
-        env = replica_env(i, dp_size, gpus, dict(os.environ))
+        env = {**replica_env(i, dp_size, gpus, dict(os.environ)), LAUNCHER_PID_ENV: str(os.getpid())}
         # Own process groups: a ctrl-C in the terminal reaches the launcher alone, which stops them in order.
         procs.append(await asyncio.create_subprocess_exec(*cmd, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                           start_new_session=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from http import HTTPStatus
 from typing import Any
@@ -22,6 +23,10 @@ from radixlm.runtime.server.settings import ServerSettings
 log = logging.getLogger("radixlm.server")
 HANDLER_SHUTDOWN_TIMEOUT = 5.0  # after the engine is closed, for handlers to write their last bytes
 KEEPALIVE_TIMEOUT = 75.0  # seconds an idle kept-alive connection stays open (aiohttp's default is an hour)
+# Set by `radixlm serve --dp-size N` for its replicas: the launcher's pid. A replica whose launcher
+# is gone (killed without stopping them) stops itself instead of serving on with nobody routing to it.
+LAUNCHER_PID_ENV = "RADIXLM_LAUNCHER_PID"
+LAUNCHER_CHECK_S = 1.0
 
 
 async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
@@ -47,6 +52,8 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    watching = asyncio.create_task(_stop_without_launcher(int(launcher), stop)) if launcher else None
     starting = asyncio.create_task(ctx.start())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -80,6 +87,8 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
         if not draining.done() or not draining.result():
             draining.cancel()
             log.warning("aborting %d requests in flight", ctx.num_busy)
+    if watching is not None:
+        watching.cancel()
     ctx.phase = Phase.DRAINING
     await ctx.close()
     await runner.cleanup()
@@ -87,6 +96,15 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
         loop.remove_signal_handler(sig)
     log.info("stopped")
     return code
+
+
+async def _stop_without_launcher(pid: int, stop: asyncio.Event) -> None:
+    """A replica's watch on its launcher: once this process's parent is no longer ``pid``, stop
+    as on SIGTERM (requests in flight get the shutdown grace)."""
+    while os.getppid() == pid:
+        await asyncio.sleep(LAUNCHER_CHECK_S)
+    log.error("the launcher (pid %d) is gone; stopping", pid)
+    stop.set()
 
 
 async def _listen(runner: web.AppRunner, settings: ServerSettings) -> asyncio.Server:

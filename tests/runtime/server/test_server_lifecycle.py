@@ -75,3 +75,64 @@ def test_sigterm_drains_in_flight_request(server: Server):
     assert "stopped" in server.log()
     with pytest.raises(ProcessLookupError):  # the engine process went with it
         os.kill(engine_pid, 0)
+
+
+# A stand-in for `radixlm serve --dp-size N`'s launcher: it starts one replica as the launcher does
+# (its own pid in RADIXLM_LAUNCHER_PID), writes the replica's pid, and waits to be killed.
+_LAUNCHER = """
+import os, subprocess, sys, time
+port, pid_file, log_file = sys.argv[1:]
+with open(log_file, "w") as log:
+    p = subprocess.Popen([sys.executable, "-m", "radixlm.cli", "serve", "--port", port, "--max-total-tokens", "2048"],
+                         env={**os.environ, "RADIXLM_LAUNCHER_PID": str(os.getpid())}, stdout=log,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+with open(pid_file, "w") as f:
+    f.write(str(p.pid))
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line for line in f)
+    except OSError:
+        return False
+
+
+def test_a_replica_stops_when_its_launcher_is_gone(tmp_path):
+    """A replica of `serve --dp-size N` whose launcher was killed (nothing routes to it any more)
+    stops, engine process included, instead of serving on for good."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from server_harness import free_port
+
+    port, pid_file, log_file = free_port(), tmp_path / "pid", tmp_path / "replica.log"
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(port), str(pid_file), str(log_file)])
+    replica = None
+    try:
+        end = time.monotonic() + 180
+        while True:
+            assert launcher.poll() is None and time.monotonic() < end, log_file.read_text(errors="replace")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info", timeout=5) as r:
+                    engine = int(__import__("json").load(r)["engine_pid"])
+                    break
+            except OSError:
+                time.sleep(0.2)  # not listening, or 503 while the model loads
+        replica = int(pid_file.read_text())
+        launcher.kill()
+        launcher.wait()
+        end = time.monotonic() + 60
+        while _running(replica) or _running(engine):
+            assert time.monotonic() < end, "the replica outlived its launcher:\n" + log_file.read_text(errors="replace")
+            time.sleep(0.1)
+        assert f"the launcher (pid {launcher.pid}) is gone; stopping" in log_file.read_text(errors="replace")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if replica is not None and _running(replica):
+            os.kill(replica, signal.SIGKILL)
