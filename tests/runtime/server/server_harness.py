@@ -22,6 +22,15 @@ from radixlm.runtime.server.http_call import http_call
 START_DEADLINE_S = 180.0
 
 
+def process_running(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its new parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line for line in f)
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

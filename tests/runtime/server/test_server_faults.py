@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from server_harness import Server, next_event, read_sse, start_server
+from server_harness import Server, next_event, process_running, read_sse, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -193,15 +193,6 @@ def test_crash_loop_ends_in_503(server: Server):
     assert server.metric("radixlm_engine_up") == 0 and server.metric("radixlm_engine_restarts_total") == 1
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie (an exited child its new parent has not reaped)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:") and "Z" in line for line in f)
-    except OSError:
-        return False
-
-
 def test_a_killed_server_takes_its_engine_with_it():
     """SIGKILL of the server mid-stream: its engine process, whose outputs nobody reads any more,
     exits (it once stayed, generating and then waiting to send, holding ~1.3 GB for good)."""
@@ -217,9 +208,9 @@ def test_a_killed_server_takes_its_engine_with_it():
 
     try:
         asyncio.run(stream_then_kill())
-        poll("the orphaned engine to exit", lambda: not _running(engine), deadline_s=60)
+        poll("the orphaned engine to exit", lambda: not process_running(engine), deadline_s=60)
     finally:
-        if _running(engine):
+        if process_running(engine):
             os.kill(engine, signal.SIGKILL)
         if s.proc.poll() is None:
             s.proc.kill()

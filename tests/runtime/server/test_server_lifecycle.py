@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import aiohttp
 import pytest
-from server_harness import Server, next_event, read_sse, start_server
+from server_harness import Server, free_port, next_event, process_running, read_sse, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -92,24 +97,9 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:") and "Z" in line for line in f)
-    except OSError:
-        return False
-
-
 def test_a_replica_stops_when_its_launcher_is_gone(tmp_path):
     """A replica of `serve --dp-size N` whose launcher was killed (nothing routes to it any more)
     stops, engine process included, instead of serving on for good."""
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    from server_harness import free_port
-
     port, pid_file, log_file = free_port(), tmp_path / "pid", tmp_path / "replica.log"
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(port), str(pid_file), str(log_file)])
     replica = None
@@ -119,7 +109,7 @@ def test_a_replica_stops_when_its_launcher_is_gone(tmp_path):
             assert launcher.poll() is None and time.monotonic() < end, log_file.read_text(errors="replace")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info", timeout=5) as r:
-                    engine = int(__import__("json").load(r)["engine_pid"])
+                    engine = int(json.load(r)["engine_pid"])
                     break
             except OSError:
                 time.sleep(0.2)  # not listening, or 503 while the model loads
@@ -127,12 +117,12 @@ def test_a_replica_stops_when_its_launcher_is_gone(tmp_path):
         launcher.kill()
         launcher.wait()
         end = time.monotonic() + 60
-        while _running(replica) or _running(engine):
+        while process_running(replica) or process_running(engine):
             assert time.monotonic() < end, "the replica outlived its launcher:\n" + log_file.read_text(errors="replace")
             time.sleep(0.1)
         assert f"the launcher (pid {launcher.pid}) is gone; stopping" in log_file.read_text(errors="replace")
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        if replica is not None and _running(replica):
+        if replica is not None and process_running(replica):
             os.kill(replica, signal.SIGKILL)
