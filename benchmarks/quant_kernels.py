@@ -7,6 +7,9 @@ LM head 49152x576) and M = 1, 16, 64 rows, times y = x @ W^T with:
 - int4 weight-only, group 32 scales and zero points (`_weight_int4pack_mm_for_cpu` on weights
   packed by `_convert_weight_to_int4pack_for_cpu`; the GGUF Q4_0/Q4_1 layout),
 - int8 dequantized to the activation dtype, then `F.linear` (dequant + matmul),
+- with fp32 activations, FBGEMM's packed GEMMs: fp16 weights (`quantized::linear_dynamic_fp16`,
+  what `--quantization fp16` runs) and int8 weights with the activations quantized to 8 bits per
+  call (`quantized::linear_dynamic`; measured, not used: the activations lose precision),
 - with `--compile`: the dequant + matmul through `torch.compile` (inductor needs a C++ compiler,
   which pip wheels do not bring, so the runtime never relies on it).
 
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from radixlm.runtime.kernels.quant import fp16_available
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 ROWS = (1, 16, 64)
@@ -73,6 +78,12 @@ def kernels(n: int, k: int, act: torch.dtype, compile_: bool) -> dict[str, Calla
         "int4pack_g32": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz),
         "int8_dequant_mm": dequant_mm,
     }
+    if act == torch.float32 and fp16_available():  # (FBGEMM: x86 with AVX2)
+        fp16 = torch.ops.quantized.linear_prepack_fp16(w, None)
+        out["fbgemm_fp16"] = lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fp16)
+        qw = torch.quantize_per_channel(w, scale8.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+        w8a8 = torch.ops.quantized.linear_prepack(qw, None)
+        out["fbgemm_dynamic_int8"] = lambda x: torch.ops.quantized.linear_dynamic(x, w8a8, True)
     if compile_:
         out["int8_compiled_dequant_mm"] = torch.compile(dequant_mm, dynamic=False)
     return out

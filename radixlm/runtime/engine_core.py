@@ -37,6 +37,7 @@ from radixlm.runtime.distributed.step import StepChannel
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
+from radixlm.runtime.kernels.quant import GGUF_BLOCK_METHODS
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample_tokens, token_logprobs, with_logprobs
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import DtypeChoice, QuantChoice, choose_dtype, choose_quantization, cpu_flags
@@ -606,11 +607,10 @@ def number_formats(config: EngineConfig, source: ModelSource, device: torch.devi
                                        auto_dtype=mc.dtype == "auto")
 
         path = source.gguf_path  # (its share of 4-bit weights is remembered beside the converted weights)
-        four_bit = path is not None and choose(True).method != "none" and four_bit_share(path, source.weights_dir) > 0.5
+        four_bit = (path is not None and choose(True) != choose(False)
+                    and four_bit_share(path, source.weights_dir) > 0.5)
         quant = choose(four_bit)
-        # the file's own blocks where the kernels run in the model's dtype (int4 as the file holds
-        # it); a kernel dtype of its own quantizes the loaded weights, whose dtype it is not
-        if path is not None and quant.method != "none" and quant.kernel_dtype is None:
+        if path is not None and quant.method in GGUF_BLOCK_METHODS:  # the file's own blocks (int4 as it holds it)
             gguf = GGUFLinears(path)
     log.info("dtype %s: %s", dtype.dtype, dtype.reason)
     log.info("quantization %s: %s", quant.method, quant.reason)

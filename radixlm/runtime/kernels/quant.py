@@ -9,15 +9,19 @@ faster at one row, but 1.7-2.5x slower from 16 rows up, where the dense matmul i
 and these kernels are not tuned. So a layer may keep a dense copy of its weights for steps of
 more rows than `dense_above` (memory for speed; `None`: no copy, the quantized kernel always).
 
-A layer's kernel may run in a dtype of its own (`act_dtype`): on a processor without native
-bf16 the model runs in fp32, where these kernels have no fast path (10-1000x slower than a fp32
-matmul), but the int8 kernel with bf16 activations is ~1.5x faster than the fp32 matmul at one
-row (benchmarks/quant_kernels.py on an AVX2-only EPYC); the activations are cast there and back.
+`fp16` is for processors without native bf16, where the model runs in fp32 and torch's
+int4/int8 kernels have no fast path (10-1000x slower than a fp32 matmul): the weights are held
+in fp16 and multiplied by FBGEMM's fp16 GEMM (`quantized::linear_dynamic_fp16`), which reads
+half the bytes of fp32 and accumulates in fp32. On an AVX2-only EPYC it beats the fp32 matmul at
+every step shape of the default model (2x at 16 rows; docs/benchmarks.md), and a row's output
+moves with the batch size by ~1e-6, as a fp32 matmul's does.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,39 +42,23 @@ class WeightOnlyLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
         self.dense_above = dense_above
-        self.act_dtype: torch.dtype | None = None  # the kernel's activation dtype, if not the input's
-
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_dtype is None or x.dtype == self.act_dtype:
-            return self.quantized_mm(x)
-        return self.quantized_mm(x.to(self.act_dtype)).to(x.dtype)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _dense_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ dense^T (+ bias); with a kernel dtype of its own, rounded through it on the way in
-        and out as the kernel rounds, so a step's rows get the same values at any batch size."""
-        assert self.dense is not None
-        if self.act_dtype is None or x.dtype == self.act_dtype:
-            return F.linear(x, self.dense, self.bias)
-        y = F.linear(x.to(self.act_dtype).to(x.dtype), self.dense).to(self.act_dtype).to(x.dtype)
-        return y if self.bias is None else y + self.bias
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None and x.dim() == 2 and (self.dense_above is None or x.shape[0] <= self.dense_above):
-            return self._mm(x.contiguous())  # the decode step's case, in fewest ops
+            return self.quantized_mm(x.contiguous())  # the decode step's case, in fewest ops
         rows = x.reshape(-1, self.in_features)
         if self.dense is not None and self.dense_above is not None and rows.shape[0] > self.dense_above:
-            return self._dense_mm(x)
-        y = self._mm(rows.contiguous())
+            return F.linear(x, self.dense, self.bias)
+        y = self.quantized_mm(rows.contiguous())
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"{self.method}, in={self.in_features}, out={self.out_features}, dense_above={self.dense_above}, "
-                f"act_dtype={self.act_dtype}")
+        return f"{self.method}, in={self.in_features}, out={self.out_features}, dense_above={self.dense_above}"
 
 
 class Int8Linear(WeightOnlyLinear):
@@ -87,11 +75,6 @@ class Int8Linear(WeightOnlyLinear):
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return out
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight this layer multiplies, [N, K] in `dtype`."""
-        q, scales = self.get_buffer("qweight"), self.get_buffer("scales")
-        return (q.float() * scales.float()[:, None]).to(dtype)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -154,10 +137,52 @@ class Int4Linear(WeightOnlyLinear):
         return out
 
 
+@functools.cache
+def fp16_available() -> bool:
+    """Whether this torch build has FBGEMM's fp16 linear for this processor (x86 with AVX2)."""
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(8, 8), None)
+        return bool(torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 8), packed).sum().item() == 64)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+class Fp16Linear(WeightOnlyLinear):
+    """fp16 weights, fp32 activations and accumulation: FBGEMM's `linear_dynamic_fp16` on its
+    packed copy of the weights (the packed object is the only copy held)."""
+
+    method = "fp16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None, dense_above: int | None = None) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], bias, dense, dense_above)
+        # (packed from the fp16-rounded weight, so its values are exactly the fp16 ones)
+        self.packed: Any = torch.ops.quantized.linear_prepack_fp16(weight.half().float().contiguous(), None)
+
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        return out
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   keep_dense: bool = False, dense_above: int | None = None) -> Fp16Linear:
+        """From a float [N, K] weight; `dtype` (the activations') must be fp32."""
+        if dtype != torch.float32:
+            raise ValueError(f"--quantization fp16 runs with fp32 activations (--dtype float32), not {dtype}")
+        if not fp16_available():
+            raise ValueError("--quantization fp16 needs FBGEMM's fp16 linear (torch on x86 with AVX2), "
+                             "which this torch/processor lacks; use --quantization none")
+        return cls(weight, _opt(bias, dtype), weight.to(dtype) if keep_dense else None, dense_above)
+
+
 def _opt(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
 
 
 # --quantization method -> how a float [N, K] weight becomes a quantized layer
 QuantizeFn = Callable[..., WeightOnlyLinear]
-QUANT_METHODS: dict[str, QuantizeFn] = {"int8": Int8Linear.from_float, "q4": Int4Linear.from_float}
+QUANT_METHODS: dict[str, QuantizeFn] = {"int8": Int8Linear.from_float, "q4": Int4Linear.from_float,
+                                         "fp16": Fp16Linear.from_float}
+# the methods a GGUF file's own blocks load into (radixlm/runtime/model/gguf_quant.py); others
+# are made from the loaded float weights
+GGUF_BLOCK_METHODS = ("int8", "q4")

@@ -8,8 +8,8 @@ weights stay quantized. Each choice comes with the reason, logged at start and s
   in both dtypes.
 - quantization `auto`: on a CPU in bf16, a GGUF model whose linear weights are 4-bit runs from
   them (int4 at steps of few rows, a dense copy above); in fp32 chosen by `--dtype auto` (no
-  native bf16), the same model runs int8 weights with bf16 activations at steps of up to 8 rows
-  (torch's weight-only kernels have no fast fp32 path) and their fp32 dequantized copy above;
+  native bf16), any model runs fp16 weights in FBGEMM's fp16 GEMM (half the bytes of fp32,
+  fp32 accumulation; torch's int4/int8 kernels have no fast fp32 path) where this torch has it;
   everything else keeps dense weights.
 """
 
@@ -25,10 +25,6 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # kernel is ~2x faster than a bf16 matmul at one row and slower from a few rows up
 # (benchmarks/quant_kernels.py, docs/benchmarks.md).
 AUTO_DENSE_ABOVE = 1
-# The same for fp32 models (processors without native bf16): torch's int8 kernel with bf16
-# activations beats the fp32 matmul up to 8 rows on an AVX2-only EPYC (1.5x at one row, 3x for
-# the LM head) and loses from 16 (docs/benchmarks.md).
-AUTO_DENSE_ABOVE_FP32 = 8
 
 
 @dataclass(frozen=True)
@@ -42,9 +38,6 @@ class QuantChoice:
     method: str  # "none" or a name in radixlm.runtime.kernels.quant.QUANT_METHODS
     dense_above: int | None  # steps of more rows multiply a dense copy; None: no copy
     reason: str
-    # the quantized kernels' activation dtype when it is not the model's (they cast there and
-    # back; the dense copy is then their own weights dequantized, in the model's dtype)
-    kernel_dtype: str | None = None
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
@@ -100,7 +93,7 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     """Whether linear weights stay quantized. `gguf_four_bit`: the model comes from a GGUF whose
     linear weights are mostly Q4_0/Q4_1/Q4_K; `dense_above`: --quant-dense-above, if given;
     `auto_dtype`: --dtype auto chose `dtype` (an fp32 asked for runs dense fp32 weights)."""
-    from radixlm.runtime.kernels.quant import QUANT_METHODS
+    from radixlm.runtime.kernels.quant import QUANT_METHODS, fp16_available
 
     on_cuda = device.startswith("cuda")
     if requested not in ("auto", "none", *QUANT_METHODS):
@@ -111,18 +104,20 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     if requested != "auto":
         if on_cuda:
             raise ValueError(f"--quantization {requested} runs on the CPU only; on CUDA use --quantization none")
+        if requested == "fp16" and dtype != "float32":
+            raise ValueError(f"--quantization fp16 multiplies fp32 activations; the model runs in {dtype}: "
+                             "add --dtype float32")
         return QuantChoice(requested, dense_above, "set by --quantization")
     if on_cuda:
         return QuantChoice("none", None, "CUDA runs dense bf16 weights (its triton kernels)")
     not_four_bit = QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
     if dtype == "float32" and auto_dtype:
-        if not gguf_four_bit:
-            return not_four_bit
-        rows = AUTO_DENSE_ABOVE_FP32 if dense_above is None else dense_above
-        return QuantChoice("int8", rows, f"the GGUF's 4-bit weights as int8 with bf16 activations for steps of up "
-                                         f"to {rows} rows (torch's weight-only kernels have no fast fp32 path; "
-                                         "its int8 kernel in bf16 beats a fp32 matmul there), their fp32 "
-                                         "dequantized copy above", kernel_dtype="bfloat16")
+        if not fp16_available():
+            return QuantChoice("none", None, "fp32 without FBGEMM's fp16 linear (torch's int4/int8 CPU kernels "
+                                             "are slow with fp32 activations)")
+        return QuantChoice("fp16", dense_above, "no native bf16: fp16 weights in FBGEMM's fp16 GEMM (half the "
+                                                "bytes of fp32, fp32 accumulation), faster than a fp32 matmul "
+                                                "at every step shape")
     if dtype != "bfloat16":
         return QuantChoice("none", None, f"torch's int4/int8 CPU kernels are slow with {dtype} activations")
     if not gguf_four_bit:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from radixlm.runtime.distributed.group import TPGroup
-from radixlm.runtime.kernels.quant import QUANT_METHODS, Int8Linear, WeightOnlyLinear
+from radixlm.runtime.kernels.quant import GGUF_BLOCK_METHODS, QUANT_METHODS
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice
 from radixlm.runtime.model.gguf_quant import GGUFLinears
@@ -171,7 +171,7 @@ def build_model(
             raise ValueError(f"--quantization {quant.method} runs on the CPU only; use --quantization none")
         if tp is not None:
             raise ValueError(f"--quantization {quant.method} does not shard over --tp-size; use --quantization none")
-        if quant.kernel_dtype is not None:  # (quantized from the loaded weights: the file's blocks are not read)
+        if quant.method not in GGUF_BLOCK_METHODS:  # (made from the loaded weights: the file's blocks are not read)
             gguf = None
         quantize_linears(model, quant, dtype, GGUFLinears(gguf) if isinstance(gguf, Path) else gguf)
     model.eval().requires_grad_(False)
@@ -187,16 +187,12 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
     if quant.method not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {quant.method!r}; choose one of none, {', '.join(sorted(QUANT_METHODS))}")
     keep = quant.dense_above is not None
-    # a kernel dtype of its own: quantize the loaded weights into it (the GGUF's blocks are not read)
-    kernel = None if quant.kernel_dtype is None else getattr(torch, quant.kernel_dtype)
     for i, layer in enumerate(model.layers):
         for ours in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             parent_name, _, attr = ours.rpartition(".")
             parent = layer.get_submodule(parent_name)
             dense = getattr(parent, attr)
-            if kernel is not None:
-                new = _own_kernel_dtype(QUANT_METHODS[quant.method](dense.weight.data, kernel), dense.weight, quant)
-            elif gguf is not None:
+            if gguf is not None:
                 new = gguf.layer(i, ours, quant.method, dtype, quant.dense_above)
             else:
                 new = QUANT_METHODS[quant.method](dense.weight.data, dtype, dense.bias, keep_dense=keep,
@@ -205,24 +201,8 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
                 new.bias = nn.Parameter(dense.bias.data, requires_grad=False)
             setattr(parent, attr, new)
     model.rebind()
-    if kernel is not None:
-        head = QUANT_METHODS[quant.method](model.lm_head_weight.data, kernel)
-        model.quant_head = _own_kernel_dtype(head, model.lm_head_weight, quant)
-    elif gguf is not None:
+    if gguf is not None:
         model.quant_head = gguf.head(quant.method, dtype, quant.dense_above)
     else:
         model.quant_head = QUANT_METHODS[quant.method](model.lm_head_weight.data, dtype, keep_dense=keep,
                                                        dense_above=quant.dense_above)
-
-
-def _own_kernel_dtype(layer: WeightOnlyLinear, weight: torch.Tensor, quant: QuantChoice) -> WeightOnlyLinear:
-    """A layer quantized from the model's loaded `weight` whose kernel runs in quant.kernel_dtype;
-    steps of more rows than quant.dense_above multiply its dequantized weight in the model's dtype
-    (in place of `weight`: the same values at every batch size)."""
-    from torch import nn
-
-    assert quant.kernel_dtype is not None and isinstance(layer, Int8Linear)
-    layer.act_dtype = getattr(torch, quant.kernel_dtype)
-    layer.dense = nn.Parameter(layer.dequantized(weight.dtype), requires_grad=False)
-    layer.dense_above = quant.dense_above
-    return layer

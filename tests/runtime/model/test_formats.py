@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from radixlm.runtime.model.formats import AUTO_DENSE_ABOVE, AUTO_DENSE_ABOVE_FP32, choose_dtype, choose_quantization, cpu_flags
+from radixlm.runtime.kernels.quant import fp16_available
+from radixlm.runtime.model.formats import AUTO_DENSE_ABOVE, choose_dtype, choose_quantization, cpu_flags
 
 AVX2 = frozenset({"fpu", "sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -64,14 +65,18 @@ def test_cpu_flags_from_cpuinfo(tmp_path: Path):
 def test_quantization_table(requested, device, dtype, four_bit, method, dense_above):
     choice = choose_quantization(requested, device, dtype, four_bit)
     assert (choice.method, choice.dense_above) == (method, dense_above) and choice.reason
-    assert choice.kernel_dtype is None
 
 
-def test_fp32_chosen_for_want_of_native_bf16_runs_int8_kernels_in_bf16():
-    choice = choose_quantization("auto", "cpu", "float32", True, auto_dtype=True)
-    assert (choice.method, choice.dense_above, choice.kernel_dtype) == ("int8", AUTO_DENSE_ABOVE_FP32, "bfloat16")
+@pytest.mark.skipif(not fp16_available(), reason="this torch has no FBGEMM fp16 linear for this processor")
+def test_fp32_chosen_for_want_of_native_bf16_runs_fp16_weights():
+    """Any model, 4-bit GGUF or not: fp16 weights in FBGEMM's fp16 GEMM, no dense copy."""
+    for four_bit in (True, False):
+        choice = choose_quantization("auto", "cpu", "float32", four_bit, auto_dtype=True)
+        assert (choice.method, choice.dense_above) == ("fp16", None) and "FBGEMM" in choice.reason
     assert choose_quantization("auto", "cpu", "float32", True, dense_above=4, auto_dtype=True).dense_above == 4
-    assert choose_quantization("auto", "cpu", "float32", False, auto_dtype=True).method == "none"  # not a 4-bit GGUF
+    assert choose_quantization("fp16", "cpu", "float32", False).method == "fp16"
+    with pytest.raises(ValueError, match="--dtype float32"):
+        choose_quantization("fp16", "cpu", "bfloat16", False)
 
 
 def test_quantization_errors():
