@@ -1,4 +1,4 @@
-"""DSL fixtures: one fp32 Engine and one fp32 server (tests/fast_fp32.py) for the whole tests/lang session, with the
+"""DSL fixtures: one fp32 Engine and one fp32 server for the whole tests/lang session, with the
 same options, so greedy results are comparable exactly."""
 
 from __future__ import annotations
@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from fast_fp32 import ENGINE as FP32
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "server"))
 from server_harness import start_server  # noqa: E402 - the server tests' harness, shared
 
 API_KEY = "dsl-test-key"
-OPTIONS = {**FP32, "max_total_tokens": 8000, "context_length": 2048}
+OPTIONS = {"dtype": "float32", "max_total_tokens": 8000, "context_length": 2048}
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,6 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from fast_fp32 import SERVER as FP32_ARGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "server"))
 from server_harness import free_port, read_sse  # noqa: E402
@@ -108,7 +107,7 @@ def router() -> Iterator[Router]:
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="radixlm-route-", suffix=".log")
     proc = subprocess.Popen([sys.executable, "-m", "radixlm.cli", "serve", "--dp-size", "2", "--port", str(port),
-                             *FP32_ARGS, "--max-total-tokens", "8192", "--router-health-interval", "0.2",
+                             "--dtype", "float32", "--max-total-tokens", "8192", "--router-health-interval", "0.2",
                              "--router-health-timeout", "1", "--router-health-failures", "1"],
                             stdout=fd, stderr=subprocess.STDOUT)
     os.close(fd)

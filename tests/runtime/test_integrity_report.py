@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from fast_fp32 import ENGINE as FP32
 from radixlm.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
 
 
 def test_integrity_report_passes_and_catches_leaks_and_stray_locks():
-    engine = Engine(**FP32, max_total_tokens=512, context_length=256)
+    engine = Engine(dtype="float32", max_total_tokens=512, context_length=256)
     try:
         core = engine.core
         engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 4})

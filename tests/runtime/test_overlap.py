@@ -8,8 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fast_fp32 import ENGINE as FP32
-
 from radixlm.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
@@ -41,8 +39,8 @@ def engines():
     # fp32: a step queued ahead still holds the rows of requests that finished meanwhile, so its
     # batch is larger than the plain loop's; CPU bf16 matmuls round differently per batch size
     # (logits moved by up to 0.25, enough to flip a sampled token), fp32 ones by ~1e-5.
-    on = Engine(overlap_schedule=True, max_total_tokens=4096, **FP32)
-    off = Engine(overlap_schedule=False, max_total_tokens=4096, **FP32)
+    on = Engine(overlap_schedule=True, max_total_tokens=4096, dtype="float32")
+    off = Engine(overlap_schedule=False, max_total_tokens=4096, dtype="float32")
     yield on, off
     on.shutdown()
     off.shutdown()

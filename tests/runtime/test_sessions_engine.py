@@ -9,7 +9,6 @@ import random
 
 import pytest
 
-from fast_fp32 import ENGINE as FP32
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.sessions import (
     SessionCapacityError,
@@ -41,7 +40,7 @@ class ManualClock:
 
 
 def _engine(**kw) -> Engine:
-    opts = {**FP32, "max_total_tokens": 2048, "context_length": 2048}
+    opts = {"dtype": "float32", "max_total_tokens": 2048, "context_length": 2048}
     opts.update(kw)
     return Engine(**opts)
 

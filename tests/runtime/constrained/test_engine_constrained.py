@@ -13,7 +13,6 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from fast_fp32 import ENGINE as FP32
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.intake import Submission
 
@@ -49,7 +48,7 @@ def _chat(text: str) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine(**FP32, max_total_tokens=8000, context_length=2048)
+    e = Engine(dtype="float32", max_total_tokens=8000, context_length=2048)
     yield e
     e.core.check_idle_integrity()
     e.shutdown()
@@ -141,7 +140,7 @@ def test_jump_forward_only_while_few_requests_run(engine):
     prompts = [_chat("A city and its rank as JSON."), _chat("Another city as JSON.")]
     params = {**GREEDY, "json_schema": schema}
     for cap, batch in ((1, prompts[:1]), (0, prompts)):
-        capped = Engine(**FP32, max_total_tokens=4000, context_length=2048, jump_forward_max_running=cap)
+        capped = Engine(dtype="float32", max_total_tokens=4000, context_length=2048, jump_forward_max_running=cap)
         try:
             outs = capped.generate(batch, params)
         finally:
@@ -241,7 +240,7 @@ def test_logprobs_line_up_with_output_ids(engine):
 
 @pytest.fixture(scope="module")
 def outlines_engine():
-    e = Engine(**FP32, max_total_tokens=8000, context_length=2048, grammar_backend="outlines")
+    e = Engine(dtype="float32", max_total_tokens=8000, context_length=2048, grammar_backend="outlines")
     yield e
     e.core.check_idle_integrity()
     e.shutdown()

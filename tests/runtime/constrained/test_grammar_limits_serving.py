@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from fast_fp32 import ENGINE as FP32, SERVER as FP32_ARGS
 from radixlm.runtime.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -31,7 +30,7 @@ def _nested(depth: int) -> dict:
 
 
 def test_engine_finishes_other_requests_while_a_compile_is_overdue():
-    engine = Engine(**FP32, max_total_tokens=4000, context_length=1024,
+    engine = Engine(dtype="float32", max_total_tokens=4000, context_length=1024,
                     grammar_compile_workers=1, grammar_compile_timeout=0.05)
     try:
         async def together():
@@ -62,7 +61,7 @@ def test_engine_finishes_other_requests_while_a_compile_is_overdue():
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(*FP32_ARGS, "--max-total-tokens", "4000", "--context-length", "1024",
+    s = start_server("--dtype", "float32", "--max-total-tokens", "4000", "--context-length", "1024",
                      "--grammar-compile-timeout", "0.05", "--grammar-max-enum", "100")
     yield s
     s.stop()

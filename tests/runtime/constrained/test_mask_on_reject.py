@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from fast_fp32 import ENGINE as FP32
 from radixlm.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
@@ -20,8 +19,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def engines():
-    lazy = Engine(mask_on_reject=True, max_total_tokens=4096, **FP32)
-    eager = Engine(mask_on_reject=False, max_total_tokens=4096, **FP32)
+    lazy = Engine(mask_on_reject=True, max_total_tokens=4096, dtype="float32")
+    eager = Engine(mask_on_reject=False, max_total_tokens=4096, dtype="float32")
     yield lazy, eager
     lazy.shutdown()
     eager.shutdown()

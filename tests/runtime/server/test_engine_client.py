@@ -9,7 +9,6 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from fast_fp32 import ENGINE as FP32
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.sampling_params import SamplingParams
@@ -24,7 +23,7 @@ PROMPT = [1, 504, 3458, 282, 4649, 314]
 
 
 def _config() -> EngineConfig:
-    return EngineConfig.from_kwargs(max_total_tokens=2048, **FP32)
+    return EngineConfig.from_kwargs(max_total_tokens=2048, dtype="float32")
 
 
 async def _until(what: str, cond: Callable[[], Awaitable[bool]]) -> None:

@@ -14,7 +14,6 @@ import aiohttp
 import pytest
 from server_harness import Server, read_sse, start_server
 
-from fast_fp32 import SERVER as FP32_ARGS
 from radixlm.runtime.server.settings import API_KEY_ENV, resolve_api_key
 
 KEY = "hostile-key"
@@ -30,7 +29,7 @@ SELF_REQUIRED = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": 
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(*FP32_ARGS, "--max-total-tokens", "8192", "--debug-routes", "true",
+    s = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--debug-routes", "true",
                      "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
                      "--max-response-bytes", str(MAX_RESPONSE_BYTES), "--max-sessions", str(MAX_SESSIONS),
                      "--max-session-ttl", "3600", api_key=KEY)

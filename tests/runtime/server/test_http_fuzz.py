@@ -28,7 +28,6 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from json_tree import json_objects
-from fast_fp32 import SERVER as FP32_ARGS
 from server_harness import Server, start_server
 
 pytestmark = pytest.mark.slow
@@ -53,7 +52,7 @@ RAN: Counter[str] = Counter()  # cases run per operation (reported at the end)
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(*FP32_ARGS, "--context-length", "128", "--max-total-tokens", "8192",
+    s = start_server("--dtype", "float32", "--context-length", "128", "--max-total-tokens", "8192",
                      "--max-queued-requests", "64", "--api-key", API_KEY, "--debug-routes", "true")
     s.headers = AUTH
     yield s

@@ -18,11 +18,10 @@ from hypothesis import strategies as st
 from server_harness import read_sse, start_server
 
 import radixlm as rl
-from fast_fp32 import SERVER as FP32_ARGS
 from radixlm.lang.backends.runtime_endpoint import BackendError, RuntimeEndpoint
 
 ROOT = Path(__file__).resolve().parents[3]
-OPTIONS = [*FP32_ARGS, "--max-total-tokens=8000", "--context-length=2048", "--max-program-gens=40",
+OPTIONS = ["--dtype=float32", "--max-total-tokens=8000", "--context-length=2048", "--max-program-gens=40",
            "--max-program-fork-depth=3", "--max-program-fork-width=4", "--max-program-text-bytes=20000",
            "--max-program-nodes=400", "--program-scheduling=on"]
 

@@ -9,7 +9,6 @@ import json
 import aiohttp
 import openai
 import pytest
-from fast_fp32 import SERVER as FP32_ARGS
 from server_harness import Server, next_event, read_sse, start_server
 
 pytestmark = pytest.mark.slow
@@ -22,7 +21,7 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 @pytest.fixture(scope="module")
 def server():
     # fp32: greedy outputs are then identical batched or alone, so they can be compared exactly
-    s = start_server(*FP32_ARGS, "--max-total-tokens", "16384", "--context-length", "2048",
+    s = start_server("--dtype", "float32", "--max-total-tokens", "16384", "--context-length", "2048",
                      "--max-request-bytes", str(MAX_REQUEST_BYTES), "--served-model-name", "smol")
     yield s
     assert s.stop() == 0
@@ -47,12 +46,9 @@ def test_info_routes(server: Server):
     assert server.get("/health_generate") == (200, {"status": "ok"})
     stats = server.server_info()["stats"]
     assert stats["kv_slots_total"] == 16384 and stats["running_requests"] == 0
-    engine = server.server_info()["engine"]  # an explicit --dtype / --quantization is reported as such
+    engine = server.server_info()["engine"]  # an explicit --dtype is reported as such
     assert (engine["dtype"], engine["dtype_reason"]) == ("float32", "set by --dtype")
-    if "--quantization=fp16" in FP32_ARGS:
-        assert (engine["quantization"], engine["quantization_reason"]) == ("fp16", "set by --quantization")
-    else:
-        assert engine["quantization"] == "none" and "float32" in engine["quantization_reason"]
+    assert engine["quantization"] == "none" and "float32" in engine["quantization_reason"]
 
 
 def test_model_info_tokenizer_facts(server: Server, smol_tokenizer):

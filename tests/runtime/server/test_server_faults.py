@@ -18,7 +18,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fast_fp32 import SERVER as FP32_ARGS
 from server_harness import Server, next_event, process_running, read_sse, start_server
 
 pytestmark = pytest.mark.slow
@@ -36,7 +35,7 @@ DEADLINE_S = 300.0  # polls give up after this (the machine may be shared and sl
 @pytest.fixture(scope="module")
 def server():
     # fp32: greedy outputs are then identical batched or alone (the reference runs alone)
-    s = start_server(*FP32_ARGS, "--max-total-tokens", "8192", "--restart-on-failure", "--max-restarts", "1",
+    s = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--restart-on-failure", "--max-restarts", "1",
                      "--stream-write-timeout", str(WRITE_TIMEOUT_S), "--max-top-logprobs", "200")
     yield s
     assert s.stop() == 0  # also with its engine dead
@@ -197,7 +196,7 @@ def test_crash_loop_ends_in_503(server: Server):
 def test_a_killed_server_takes_its_engine_with_it():
     """SIGKILL of the server mid-stream: its engine process, whose outputs nobody reads any more,
     exits (it once stayed, generating and then waiting to send, holding ~1.3 GB for good)."""
-    s = start_server(*FP32_ARGS, "--max-total-tokens", "4096")
+    s = start_server("--dtype", "float32", "--max-total-tokens", "4096")
     engine = s.server_info()["engine_pid"]
 
     async def stream_then_kill() -> None:

@@ -8,7 +8,6 @@ import asyncio
 import aiohttp
 import openai
 import pytest
-from fast_fp32 import SERVER as FP32_ARGS
 from server_harness import Server, read_sse, start_server
 
 pytestmark = pytest.mark.slow
@@ -18,7 +17,7 @@ CHAT = {"temperature": 0, "max_new_tokens": 10}
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(*FP32_ARGS, "--max-total-tokens", "4096", "--context-length", "1024",
+    s = start_server("--dtype", "float32", "--max-total-tokens", "4096", "--context-length", "1024",
                      "--served-model-name", "smol")
     yield s
     assert s.stop() == 0

@@ -16,7 +16,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fast_fp32 import SERVER as FP32_ARGS
 from server_harness import Server, read_sse, start_server
 
 pytestmark = pytest.mark.slow
@@ -26,7 +25,7 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(*FP32_ARGS, "--max-total-tokens", "8192", "--context-length", "1024")
+    s = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--context-length", "1024")
     yield s
     assert s.stop() == 0
 

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fast_fp32 import SERVER as FP32_ARGS
 from server_harness import start_server
 
 pytestmark = pytest.mark.slow
@@ -35,7 +34,7 @@ def _soak_module():
 
 def test_soak_mixed_load_leaves_nothing_behind():
     soak = _soak_module()
-    server = start_server(*FP32_ARGS, "--max-total-tokens", "8192", "--debug-routes", "true")
+    server = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--debug-routes", "true")
     try:
         r = soak.soak(server.url, 140, 12, seed=3, max_new=6, warmup=16, replay_limit=30)
     finally:
@@ -56,7 +55,7 @@ def test_soak_mixed_load_leaves_nothing_behind():
 
 def test_overload_3x_pool_answers_or_429s_and_resumes_identically():
     soak = _soak_module()
-    server = start_server(*FP32_ARGS, "--max-total-tokens", "384", "--max-queued-requests", "16",
+    server = start_server("--dtype", "float32", "--max-total-tokens", "384", "--max-queued-requests", "16",
                           "--debug-routes", "true")
     try:
         r = soak.overload(server.url, factor=3.0, prompt_len=24, output_len=24, replay_limit=6)

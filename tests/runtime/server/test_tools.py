@@ -13,7 +13,6 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from fast_fp32 import SERVER as FP32_ARGS
 from radixlm.runtime.server.openai_api import _messages
 from radixlm.runtime.server.openai_tools import opener_ids, parse_tool_fields, render_chat
 from radixlm.runtime.server.tokenizer import ServerTokenizer
@@ -48,7 +47,7 @@ FUNCTIONS = {"get_weather": get_weather, "search": search}
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(*FP32_ARGS, "--max-total-tokens", "8192", "--context-length", "2048")
+    s = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--context-length", "2048")
     yield s
     assert s.stop() == 0
 
@@ -193,7 +192,7 @@ def test_agent_loop(oai, stream):
 def oai_no_jumps():
     """Jump-forward re-tokenizes the model's `"}` + forced `}` into `"` + `}}`, after which the small
     model always closes the list: parallel calls are shown without jumps (docs/tools.md)."""
-    s = start_server(*FP32_ARGS, "--max-total-tokens", "4096", "--context-length", "2048",
+    s = start_server("--dtype", "float32", "--max-total-tokens", "4096", "--context-length", "2048",
                      "--jump-forward", "false")
     yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
     assert s.stop() == 0
