@@ -22,7 +22,8 @@ HELP = {
     "tp_size": "tensor-parallel ranks, one process each (NCCL on CUDA, gloo on CPU); default: 1",
     "dist_timeout": "seconds a collective waits for a rank before the engine restarts; default: 120",
     "dtype": "auto: bf16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else fp32",
-    "quantization": "weight-only CPU quantization; auto: a GGUF's own 4-bit weights on a bf16 CPU, else none",
+    "quantization": "weight-only CPU quantization; auto: a GGUF's own 4-bit weights on a bf16 CPU, fp16 weights "
+                    "(FBGEMM) in fp32 without native bf16, else none",
     "quant_dense_above": "quantized layers multiply a dense weight copy at steps of more rows (default: 1 under auto)",
 }
 
