@@ -81,6 +81,8 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="radixlm-tp-parent-watch", daemon=True).start()
 
 
+CLOSE_WAIT_S = 30.0  # how long rank 0's teardown of the process group may wait for its peers
+
 class Leader:
     """Rank 0's side: each step goes to the workers before rank 0 runs it too."""
 
@@ -101,10 +103,16 @@ class Leader:
         self.send_seconds += time.perf_counter() - start
 
     def stop(self) -> None:
-        """Tell the workers to exit, wait for them, leave the process group."""
+        """Tell the workers to exit, leave the process group while they leave theirs, then wait
+        for them. NCCL tears its communicators down together (every rank inside
+        destroy_process_group at once): rank 0 leaving only after its workers had exited waited
+        for good (two H200s, torch 2.11, NCCL 2.28). A peer already gone cannot join the teardown,
+        so rank 0 waits for it at most CLOSE_WAIT_S."""
         try:
             self.channel.stop()
         except RuntimeError:
             pass  # a worker is already gone; stop() below reaps the rest
+        closer = threading.Thread(target=self.channel.group.close, name="radixlm-tp-close", daemon=True)
+        closer.start()
+        closer.join(CLOSE_WAIT_S)
         self.workers.stop()
-        self.channel.group.close()
