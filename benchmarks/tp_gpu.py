@@ -9,9 +9,9 @@
 - the NCCL all-reduce of one layer's [bs, hidden] bf16 activations, eager, timed in two ranks,
   and its share of the step (two per layer).
 
-    python benchmarks/tp_gpu.py --tokenizer DIR [--out benchmarks/results/tp_gpu.json] [--skip-70b]
+    python benchmarks/tp_gpu.py --tokenizer DIR [--out benchmarks/results/tp_gpu.json] [--skip-70b | --only-70b]
 
-First run 2026-11-26 on two H200s (docs/benchmarks.md, "Tensor parallelism on two GPUs").
+First run 2026-11-26 on two H200s (docs/benchmarks.md, "Tensor parallelism", "Two GPUs").
 """
 
 from __future__ import annotations
