@@ -83,6 +83,7 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
 
 CLOSE_WAIT_S = 30.0  # how long rank 0's teardown of the process group may wait for its peers
 
+
 class Leader:
     """Rank 0's side: each step goes to the workers before rank 0 runs it too."""
 

@@ -12,7 +12,7 @@ from radixlm.runtime.distributed.group import TPGroup
 from radixlm.runtime.kernels.quant import GGUF_BLOCK_METHODS, QUANT_METHODS
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice
-from radixlm.runtime.model.gguf_quant import GGUFLinears
+from radixlm.runtime.model.gguf_quant import LAYER_LINEARS, GGUFLinears
 from radixlm.runtime.model.llama import LlamaModel
 
 # HF tensor name suffix -> (our parameter suffix, which part of a fused tensor it fills)
@@ -191,9 +191,8 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
     if quant.method not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {quant.method!r}; choose one of none, {', '.join(sorted(QUANT_METHODS))}")
     keep = quant.dense_above is not None
-    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     slots = [(i, ours, layer.get_submodule(ours.rpartition(".")[0])) for i, layer in enumerate(model.layers)
-             for ours in names]
+             for ours in LAYER_LINEARS]
 
     def build(slot: tuple[int, str, nn.Module]) -> nn.Module:
         i, ours, parent = slot
