@@ -129,6 +129,20 @@ def _whole_params(arch: ModelArch) -> dict[str, torch.nn.Parameter]:
         return dict(LlamaModel(arch).named_parameters())
 
 
+def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Give every parameter of a model built on the meta device uninitialized storage of `dtype`
+    on `device` (``Module.to_empty``'s effect, without its path through torch._refs, whose first
+    call imports torch's symbolic-shapes module: ~1.2 s of every engine start)."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                                              requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+
+
 def build_model(
     arch: ModelArch,
     model_dir: Path | None,
@@ -147,7 +161,7 @@ def build_model(
     with torch.device("meta"):
         model = LlamaModel(arch, tp)
         whole = model if tp is None else LlamaModel(arch)
-    model = model.to(dtype).to_empty(device=device)  # (never whole in fp32: a 70B shard would not fit)
+    materialize(model, dtype, device)  # (never whole in fp32: a 70B shard would not fit)
     if model_dir is None:
         gen = torch.Generator(device=device).manual_seed(seed)
         params = dict(model.named_parameters())
