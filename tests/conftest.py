@@ -1,8 +1,23 @@
-"""Shared fixtures: the default model's files, converted once per machine into the cache dir."""
+"""Shared fixtures: the default model's files, converted once per machine into the cache dir.
+
+The suite runs in pytest-xdist workers (pyproject's addopts: ``-n auto --dist loadfile``, one
+module's tests in one worker, so module fixtures such as a server start once), each with its share
+of the cores for torch: a decode step of the default model is bound by memory bandwidth, which one
+thread nearly saturates (bs1 fp32: 59.7 ms a token on one thread, 55.7 ms on two, AVX2 EPYC), so
+two workers on two cores run the suite ~1.65x faster than one process on both (docs/testing.md).
+``-n 0`` runs it in one process."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# before torch starts its thread pool, here and in the servers the tests start (they inherit it)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_SET_THREADS = _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ
+if _SET_THREADS:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
+import pytest  # noqa: E402
 
 from radixlm.runtime.config import default_cache_dir
 from radixlm.runtime.model.source import DEFAULT_MODEL, ModelSource, resolve_model
@@ -20,6 +35,15 @@ def smol_tokenizer(default_source):
     return AutoTokenizer.from_pretrained(str(default_source.tokenizer_dir))
 
 
+GIB_PER_WORKER = 10  # a worker's peak: engines with their KV pools, the servers it starts (2 workers: 13.4 GB)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per core, as many as the memory holds."""
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(len(os.sched_getaffinity(0)), int(mem_gib // GIB_PER_WORKER)))
+
+
 def pytest_configure(config):
     """The suite's process holds millions of long-lived objects (tokenizers, grammar vocabularies,
     JSONSchemaBench data, session fixtures) that every full collection walks again; with Python's
@@ -28,6 +52,10 @@ def pytest_configure(config):
     import gc
 
     gc.set_threshold(50_000, 20, 20)
+    if _SET_THREADS:  # (a plugin may have imported torch before this file set OMP_NUM_THREADS)
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="module", autouse=True)
