@@ -29,7 +29,9 @@ from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
 
 def host_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm off CUDA: normalise in fp32, scale in the model dtype (HF's order, so bf16
-    results match)."""
+    results match). In fp32 the scale is one op with the norm, bit for bit the same product."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
