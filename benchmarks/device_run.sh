@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers, sys; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"
 
 echo "== GPU tests"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+python3 -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu tests/runtime/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 
 echo "== benchmarks/gpu.py"
 python3 benchmarks/gpu.py --tokenizer .gpu_assets/tokenizer --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu_bench.log" | tail -40

@@ -19,4 +19,4 @@ done
 echo "== bs64 json_schema vs free text after more warm-up, wall vs GPU kernel time (llguidance)"
 timeout 200 python3 benchmarks/gpu_structured_gap.py --tokenizer "$TOK" 2>&1 | tee "$OUT/gap.log" | grep -E "^(warm|json|free)"
 echo "== GPU tests"
-timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/gpu -k "not flashinfer" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+timeout 170 python3 -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu tests/runtime/gpu -k "not flashinfer" 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
