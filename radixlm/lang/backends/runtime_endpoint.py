@@ -67,6 +67,9 @@ class RuntimeEndpoint(Backend):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.model_info = self._call("/get_model_info")
+        # a radixlm server (which reports its role markers) takes the ``program`` field that tags
+        # a step-by-step program's requests; SGLang's /generate would refuse it
+        self.tags_programs = "role_markers" in self.model_info
         self.template_source = "argument"  # where the role markers came from (docs/dsl.md)
         self._template = chat_template or self._server_template()
 
@@ -124,10 +127,21 @@ class RuntimeEndpoint(Backend):
 
 
 class _EndpointConnection(GraphConnection):
-    def __init__(self, session: aiohttp.ClientSession, endpoint: RuntimeEndpoint) -> None:
+    """``program_id``: the program whose requests this connection sends (a step-by-step run on a
+    radixlm server), named in each /generate body's ``program`` field."""
+
+    def __init__(self, session: aiohttp.ClientSession, endpoint: RuntimeEndpoint,
+                 program_id: str | None = None) -> None:
         self.session = session
         self.endpoint = endpoint
         self.requires_graphs = endpoint.programs == "server"
+        self.program_id = program_id
+
+    def for_program(self, program_id: str) -> Connection:
+        return _EndpointConnection(self.session, self.endpoint, program_id) if self.endpoint.tags_programs else self
+
+    def _body(self, body: dict[str, Any]) -> dict[str, Any]:
+        return body if self.program_id is None else {**body, "program": {"id": self.program_id}}
 
     async def run_graph(self, graph: Graph, core: StateCore, ctx: RunContext) -> bool:
         """POST /run_program: the graph runs next to the engine; its result fills ``core``."""
@@ -165,7 +179,7 @@ class _EndpointConnection(GraphConnection):
         return True
 
     async def _post(self, body: dict[str, Any]) -> Any:
-        async with self.session.post("/generate", json=body) as resp:
+        async with self.session.post("/generate", json=self._body(body)) as resp:
             text = await resp.text()
             if resp.status != 200:
                 raise BackendError(resp.status, _error_message(text))
@@ -177,7 +191,7 @@ class _EndpointConnection(GraphConnection):
         return [GenOutput(o["text"], o["meta_info"]) for o in outs]
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
-        async with self.session.post("/generate", json={**req.native_body(), "stream": True}) as resp:
+        async with self.session.post("/generate", json=self._body({**req.native_body(), "stream": True})) as resp:
             if resp.status != 200:
                 raise BackendError(resp.status, _error_message(await resp.text()))
             sent = 0

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -68,12 +69,13 @@ async def run_traced(func: Callable[..., Any], name: str, args: Sequence[Any], k
         traced = traced or trace(func, name, args, kwargs)
         if traced.graph is not None:
             if not await _run_remote(traced.graph, core, ctx):  # in the runtime when it can
-                await run_sequence(core, traced.graph.nodes, dataclasses.replace(ctx, sites=traced.sites))
+                await run_sequence(core, traced.graph.nodes, dataclasses.replace(ctx, sites=traced.sites,
+                                                                                 conn=_program_conn(ctx)))
         elif isinstance(ctx.conn, GraphConnection) and ctx.conn.requires_graphs:
             raise TraceError(f"{name} reads a generated value, so it has no static graph to run on the server; "
                              "use RuntimeEndpoint(..., programs='auto') to run it step by step")
         else:
-            await _run_live(func, args, kwargs, core, ctx, pool)
+            await _run_live(func, args, kwargs, core, dataclasses.replace(ctx, conn=_program_conn(ctx)), pool)
     except BaseException as e:
         core.finish(e)
         raise
@@ -89,6 +91,11 @@ async def run_graph_on(graph: Graph, core: StateCore, ctx: RunContext) -> None:
         core.finish(e)
         raise
     core.finish()
+
+
+def _program_conn(ctx: RunContext) -> Connection:
+    """The run's connection for one program run step by step, under an id of its own."""
+    return ctx.conn.for_program(f"program-{uuid.uuid4().hex}")
 
 
 async def _run_remote(graph: Graph, core: StateCore, ctx: RunContext) -> bool:

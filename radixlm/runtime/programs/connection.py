@@ -87,6 +87,13 @@ class Connection(ABC):
         """For each prompt (text, or tokens as returned here), (logprob, token) of its tokens from position
         ``start`` on; the logprob of position 0 is None. One batched call sharing cached prefixes."""
 
+    def for_program(self, program_id: str) -> Connection:
+        """This connection for one program that the client runs step by step (``program_id``,
+        unique to the run). A runtime that schedules programs tags the program's requests with
+        it, so its later requests are preferred over new programs' (radixlm's ``program`` field);
+        by default it is this connection."""
+        return self
+
     def fork(self, group: str, branches: int) -> tuple[Connection, list[Connection]]:
         """The connections of a fork named ``group`` (unique in the run): one for the prefill of its
         prefix, one per branch. A runtime that schedules programs tags their requests (the

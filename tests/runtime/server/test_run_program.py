@@ -278,6 +278,7 @@ def test_program_metrics_move_and_nothing_stays_held(server):
              "radixlm_program_round_trips_saved_total")
     before = [server.metric(names[0], 'outcome="ok"'), server.metric(names[1]), server.metric(names[2])]
     errors = server.metric(names[0], 'outcome="error"')
+    known = server.server_info()["stats"]["programs_scheduled"]  # (client-driven runs of earlier tests)
     state = tree.run(0, backend=RuntimeEndpoint(server.url, programs="server"), temperature=0)
     assert state.error() is None
     after = [server.metric(names[0], 'outcome="ok"'), server.metric(names[1]), server.metric(names[2])]
@@ -289,7 +290,7 @@ def test_program_metrics_move_and_nothing_stays_held(server):
     assert status == 400 and server.metric(names[0], 'outcome="error"') == errors + 1
     # the engine forgot the programs: no fork prefix stays locked for them
     stats = server.server_info()["stats"]
-    assert stats["programs_scheduled"] == 0 and stats["program_held_tokens"] == 0
+    assert stats["programs_scheduled"] == known and stats["program_held_tokens"] == 0
 
 
 @pytest.mark.parametrize("program", [
@@ -312,6 +313,27 @@ def test_a_client_may_name_its_program_on_generate(server):
         server.generate({"text": f"Count: one, two, {i}", "sampling_params": {"max_new_tokens": 1},
                          "program": {"id": "my-program", "group": "f0"}})
     assert server.server_info()["stats"]["program_held_tokens"] == 0  # both branches came
+
+
+def test_a_program_run_step_by_step_names_itself_on_each_request(server):
+    """The client's requests of one program carry one program id of its own (the scheduler then
+    prefers them over new programs' requests); a server that does not take the field gets none."""
+    progs = load(ROOT / "tests" / "lang" / "test_programs.py", "lang_test_programs3")
+
+    def known() -> int:
+        return server.server_info()["stats"]["programs_scheduled"]
+
+    start = known()
+    progs.reads_values.run(backend=RuntimeEndpoint(server.url), temperature=0)  # no graph: run live
+    assert known() == start + 1
+    progs.fork_join.run(backend=RuntimeEndpoint(server.url, programs="client"), temperature=0)  # its graph, here
+    progs.fork_join.run(backend=RuntimeEndpoint(server.url, programs="client"), temperature=0)
+    assert known() == start + 3  # one id per run
+    untagged = RuntimeEndpoint(server.url, programs="client")
+    untagged.tags_programs = False  # as for an SGLang server
+    progs.few_shot_qa.run("What is 2 + 2?", backend=untagged, temperature=0)
+    assert known() == start + 3
+    assert server.server_info()["stats"]["program_held_tokens"] == 0  # a client's run holds no fork prefix
 
 
 # -- hostile graphs ----------------------------------------------------------------------------
