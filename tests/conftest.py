@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import os
 
-# before torch starts its thread pool, here and in the servers the tests start (they inherit it)
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_SET_THREADS = _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ
-if _SET_THREADS:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
-
-import pytest  # noqa: E402
+import pytest
 
 from radixlm.runtime.config import default_cache_dir
 from radixlm.runtime.model.source import DEFAULT_MODEL, ModelSource, resolve_model
+
+
+def _cores() -> int:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# for the servers the tests start (they inherit it), and for torch here (pytest_configure)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_SET_THREADS = _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ
+if _SET_THREADS:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores() // _WORKERS))
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +47,11 @@ GIB_PER_WORKER = 10  # a worker's peak: engines with their KV pools, the servers
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: a worker per core, as many as the memory holds."""
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return max(1, min(len(os.sched_getaffinity(0)), int(mem_gib // GIB_PER_WORKER)))
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):  # (no such sysconf name here: one worker per core)
+        return _cores()
+    return max(1, min(_cores(), int(mem_gib // GIB_PER_WORKER)))
 
 
 def pytest_configure(config):
@@ -53,7 +62,7 @@ def pytest_configure(config):
     import gc
 
     gc.set_threshold(50_000, 20, 20)
-    if _SET_THREADS:  # (a plugin may have imported torch before this file set OMP_NUM_THREADS)
+    if _SET_THREADS:  # (torch may have started before this file set OMP_NUM_THREADS)
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
