@@ -67,7 +67,7 @@ def _valid(text: str) -> bool:
 
 def run_mode(engine: Engine, chats: list, params: dict, batched: bool) -> dict:
     core = engine.core
-    core.grammar.seconds, core.grammar.tokens = 0.0, 0
+    core.grammar.reset_counters()
     engine.flush_cache()
     t0 = time.perf_counter()
     if batched:
@@ -84,6 +84,8 @@ def run_mode(engine: Engine, chats: list, params: dict, batched: bool) -> dict:
         "forward_passes_per_output": passes / len(outs),
         "tokens_per_output": tokens / len(outs),
         "grammar_us_per_token": core.grammar.seconds / max(tokens, 1) * 1e6,
+        # where it goes (radixlm.runtime.grammar_stage.PHASES)
+        "grammar_us_per_token_by_phase": {k: v / max(tokens, 1) * 1e6 for k, v in core.grammar.phase_seconds.items()},
         "valid": sum(_valid(o["text"]) for o in outs),
         "n": len(outs),
     }
@@ -156,6 +158,10 @@ def main() -> None:
         g = f"{r['grammar_us_per_token']:.1f}" if r["grammar_us_per_token"] is not None else "-"
         print(f"{name:<58}{r['forward_passes_per_output']:>11.1f}{r['tokens_per_output']:>9.1f}"
               f"{r['out_tok_s']:>11.1f}{g:>16}{r['valid']:>5}/{r['n']}")
+    print("grammar us/token by phase:")
+    for name, r in results.items():
+        if r.get("grammar_us_per_token_by_phase") and r["grammar_us_per_token"]:
+            print(f"  {name:<58} " + "  ".join(f"{k} {v:.1f}" for k, v in r["grammar_us_per_token_by_phase"].items()))
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "threads": torch.get_num_threads(),
             "prompts": args.prompts, "max_new_tokens": MAX_NEW, "cpu_flags": _cpu_flags()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,9 @@ from radixlm.runtime.request import EngineRequest
 log = logging.getLogger(__name__)
 
 COMPILE_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long one step waits
+# where the grammar's time goes: filling and applying masks, testing a drawn token (mask on
+# reject), accepting tokens, and after a token (planning the jump, asking whether it is complete)
+PHASES = ("mask", "test", "accept", "after_token")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class GrammarStage:
         self._compiling: dict[str, tuple[EngineRequest, Future[Grammar]]] = {}
         # a row filled after a token (to ask whether only a stop token may follow), kept for the next step
         self._next_rows: dict[str, tuple[torch.Tensor, bool]] = {}
-        self.seconds = 0.0  # masks, accepts and jumps, for the per-token grammar cost
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)  # for the per-token grammar cost
         self.tokens = 0
         self.masks_skipped = 0  # greedy rows whose drawn token the grammar allowed without a mask
         # the masks of a step, reused: two, so a step never overwrites a copy still in flight
@@ -129,7 +132,7 @@ class GrammarStage:
                 bitmask[j] = -1
         if any(masked):
             apply_bitmask_(logits, bitmask, rows)
-        self.seconds += time.perf_counter() - t0
+        self._spent("mask", t0)
         return failed
 
     def unmasked_rows(self, logits: torch.Tensor, reqs: list[EngineRequest]) -> list[int]:
@@ -158,7 +161,7 @@ class GrammarStage:
             except Exception:  # noqa: BLE001 - the row's mask fill raises it again, for its request alone
                 out.append(i)
         self.masks_skipped += len(rows) - len(out)
-        self.seconds += time.perf_counter() - t0
+        self._spent("test", t0)
         return out
 
     def _bitmask(self, n: int, pinned: bool) -> torch.Tensor:
@@ -174,7 +177,7 @@ class GrammarStage:
         whether the grammar took it, or the grammar engine's exception."""
         t0 = time.perf_counter()
         out = accept_tokens([r.matcher for r in reqs], tokens)  # type: ignore[misc]
-        self.seconds += time.perf_counter() - t0
+        self._spent("accept", t0)
         self.tokens += len(reqs)
         return out
 
@@ -197,7 +200,7 @@ class GrammarStage:
             done = is_masked and self._only_stop_allowed(row)
             if not done:
                 self._next_rows[req.rid] = (row, is_masked)
-        self.seconds += time.perf_counter() - t0
+        self._spent("after_token", t0)
         return GrammarStep(planned, done)
 
     def forget(self, rid: str) -> None:
@@ -224,6 +227,18 @@ class GrammarStage:
     def shutdown(self) -> None:
         if self._service is not None:
             self._service.shutdown()
+
+    @property
+    def seconds(self) -> float:
+        """The grammar's time in all: masks, tests, accepts and jumps."""
+        return sum(self.phase_seconds.values())
+
+    def _spent(self, phase: str, t0: float) -> None:
+        self.phase_seconds[phase] += time.perf_counter() - t0
+
+    def reset_counters(self) -> None:
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
+        self.tokens = self.masks_skipped = 0
 
     def stats(self) -> dict[str, Any]:
         return {"grammar_seconds": self.seconds, "grammar_tokens": self.tokens,
