@@ -32,7 +32,8 @@ OUT = 96
 # and admission per token and the ratio shows the grammar's own cost.
 SAME_LENGTH = 44
 MODES = ["free", "json_schema", "json_schema, jumps alone", "json_schema, every jump", "json_schema, no jump-forward",
-         "json_schema, mask on reject", "free, same length"]
+         "json_schema, mask on reject", "free, same length", "json_schema, jumps alone, masks after text",
+         "json_schema, jumps alone, fill pool 12"]
 
 
 def _params(mode: str) -> dict[str, Any]:
@@ -52,8 +53,17 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
     policy, config = core.output.jump_policy, core.grammar.config
     if mode == "json_schema, every jump":
         core.output.jump_policy = JumpPolicy()
-    if mode == "json_schema, jumps alone":  # the measured policy, and jumps only while one request runs
+    if mode.startswith("json_schema, jumps alone"):  # the measured policy, and jumps only while one request runs
         core.output.jump_policy = dataclasses.replace(policy, max_running=1)
+    if mode == "json_schema, jumps alone, masks after text":  # every mask filled after the step's text
+        core.grammar.config = dataclasses.replace(config, masks_ahead=False)
+    backend = core.grammar.service.backend
+    executor = getattr(backend, "_executor", None)
+    if mode == "json_schema, jumps alone, fill pool 12" and executor is not None:  # llguidance's default pool
+        import llguidance
+
+        backend._executor = llguidance.LLExecutor(12)
+        backend._cache.clear()  # the compiled grammar hands its matchers the pool
     if mode == "json_schema, mask on reject":
         core.grammar.config = dataclasses.replace(config, mask_on_reject=True)
     engine.flush_cache()
@@ -62,6 +72,9 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
         outs = [engine.generate(c, params) for c in chats] if one_at_a_time else engine.generate(chats, params)
     finally:
         core.output.jump_policy, core.grammar.config = policy, config
+        if executor is not None and backend._executor is not executor:
+            backend._executor = executor
+            backend._cache.clear()
     dt = time.perf_counter() - t0
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     passes = sum(o["meta_info"]["forward_passes"] for o in outs)

@@ -475,9 +475,15 @@ class EngineCore:
         outputs = list(run.ended) + self.output.append(
             reqs, [ids[i] for i in live],
             None if lps is None else [lps[i] for i in live], None if tops is None else [tops[i] for i in live],
-            self._prefill_ahead if self._ahead_forward is not None and not self.grammar.lazy(self.device.type) else None)
+            self._prefill_ahead if self._masks_ahead() else None)
         self.scheduler.end_step(run.step)
         return [self._end(o) if o.finished else o for o in outputs]
+
+    def _masks_ahead(self) -> bool:
+        """Whether the next masks may fill while the host makes this run's text: a step is queued
+        ahead, its rows mask first (not on a rejected token), and the config allows it."""
+        return (self._ahead_forward is not None and self.grammar.config.masks_ahead
+                and not self.grammar.lazy(self.device.type))
 
     def _prefill_ahead(self, done: list[EngineRequest]) -> None:
         """The grammars of ``done`` took the run's tokens: fill their masks of the step queued

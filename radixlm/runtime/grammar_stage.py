@@ -10,6 +10,7 @@ step's text (``prefill``). A failing grammar engine fails its own request, never
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -20,7 +21,7 @@ import torch
 
 from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
-from radixlm.runtime.constrained.grammar import Grammar, accept_tokens, fill_masks
+from radixlm.runtime.constrained.grammar import Grammar, accept_tokens, fill_masks, fill_masks_split
 from radixlm.runtime.constrained.jump_forward import Jump
 from radixlm.runtime.constrained.service import ERROR_PREFIX, GrammarService
 from radixlm.runtime.request import EngineRequest
@@ -31,6 +32,10 @@ COMPILE_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long on
 # where the grammar's time goes: filling and applying masks, testing a drawn token (mask on
 # reject), accepting tokens, and after a token (planning the jump, asking whether it is complete)
 PHASES = ("mask", "test", "accept", "after_token")
+# The interpreter's GIL switch interval while masks fill ahead (5 ms by default): the filling
+# thread gets the GIL from the busy step loop at once, and holds it only to enter and leave the
+# grammar engine, which fills the rows without it.
+PREFILL_SWITCH_S = 1e-4
 
 
 @dataclass(frozen=True)
@@ -44,11 +49,13 @@ class GrammarStep:
 
 @dataclass(frozen=True)
 class _Prefill:
-    """Masks being filled ahead: request id -> row of ``rows``, and the fill's outcome per row."""
+    """Masks being filled ahead: request id -> row of ``rows``, the grammar engine's fill running
+    in a thread, and the rest of the fill (run once it is done; it gives the outcome per row)."""
 
     index: dict[str, int]
     rows: torch.Tensor
-    done: Future[list[bool | Exception]]
+    native: Future[None]
+    finish: Callable[[], list[bool | Exception]]
 
 
 class GrammarStage:
@@ -70,6 +77,7 @@ class GrammarStage:
         self._prefill: _Prefill | None = None
         self._prefill_rows = torch.empty(0, 0, dtype=torch.int32)
         self._filler: ThreadPoolExecutor | None = None  # one thread: the fill itself runs in the engine's pool
+        self._switch = sys.getswitchinterval()
 
     @property
     def service(self) -> GrammarService:
@@ -126,7 +134,7 @@ class GrammarStage:
         pre, pre_got = self._take_prefill()
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None and i not in skip]
         if not rows:
-            self.seconds += time.perf_counter() - t0
+            self._spent("mask", t0)
             return []
         bitmask = self._bitmask(len(rows), pinned=logits.device.type == "cuda")
         masked = [False] * len(rows)
@@ -175,9 +183,13 @@ class GrammarStage:
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="radixlm-masks")
         matchers = [r.matcher for r in todo if r.matcher is not None]
-        done = self._filler.submit(fill_masks, matchers, rows, list(range(len(todo))))
-        self._prefill = _Prefill({r.rid: j for j, r in enumerate(todo)}, rows, done)
-        self.seconds += time.perf_counter() - t0
+        # the thread runs only the grammar engine's fill, which holds no GIL: the Python before
+        # and after it stays on this thread, so the two never take turns at the GIL
+        native, finish = fill_masks_split(matchers, rows, list(range(len(todo))))
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(PREFILL_SWITCH_S)
+        self._prefill = _Prefill({r.rid: j for j, r in enumerate(todo)}, rows, self._filler.submit(native), finish)
+        self._spent("mask", t0)
 
     def drop_prefill(self) -> None:
         """Masks filled ahead and not taken by now are stale: wait for the fill, forget them."""
@@ -189,9 +201,12 @@ class GrammarStage:
         if pre is None:
             return None, []
         try:
-            return pre, pre.done.result()
-        except Exception as e:  # noqa: BLE001 - fill_masks reports per row; this is the thread itself failing
+            pre.native.result()
+        except Exception as e:  # noqa: BLE001 - the engine's part reports per row; this is the thread itself failing
             return pre, [e] * len(pre.index)
+        finally:
+            sys.setswitchinterval(self._switch)
+        return pre, pre.finish()
 
     def lazy(self, device_type: str) -> bool:
         """Whether greedy rows draw before their mask (``--mask-on-reject``; the CPU default)."""

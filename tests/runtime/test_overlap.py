@@ -5,6 +5,8 @@ over the CPU, where each queued step runs at once but every bookkeeping path is 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -205,3 +207,19 @@ def test_constrained_rows_join_the_overlap_schedule(engines, jump_forward, sampl
     assert alone == ref[:1]
     on.core.check_idle_integrity()
     off.core.check_idle_integrity()
+
+
+def test_masks_ahead_off_fills_every_mask_after_the_text(engines):
+    """--masks-ahead off: the overlap loop fills no mask while the host makes the text, and gives
+    the same outputs."""
+    on, off = engines
+    prompts, params = _constrained_batch(jump_forward=False, sampled=False)
+    config = on.core.grammar.config
+    on.core.grammar.config = dataclasses.replace(config, masks_ahead=False)
+    try:
+        filled, before = on.core.grammar.masks_ahead, on.core.ahead_steps
+        got = [_strip(o) for o in on.generate(prompts, params)]
+        assert on.core.grammar.masks_ahead == filled and on.core.ahead_steps - before >= 5
+    finally:
+        on.core.grammar.config = config
+    assert got == [_strip(o) for o in off.generate(prompts, params)]

@@ -79,6 +79,7 @@ class GrammarConfig:
     json_any_order: bool = False
     cache_size: int = 1024
     compile_threads: int = 1
+    fill_threads: int = 1  # llguidance's pool that fills a step's masks together
     limits: SpecLimits = SpecLimits()  # checked before compiling (radixlm.runtime.constrained.limits)
 
     def __post_init__(self) -> None:
@@ -88,6 +89,8 @@ class GrammarConfig:
             raise ValueError("cache_size must be >= 1")
         if self.compile_threads < 1:
             raise ValueError("compile_threads must be >= 1")
+        if self.fill_threads < 1:
+            raise ValueError("fill_threads must be >= 1")
 
 
 class GrammarMatcher(Protocol):
@@ -133,6 +136,18 @@ def fill_masks(matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequence[
         for j, i in enumerate(idx):
             out[i] = got[j] if got is not None else _call(matchers[i].fill_mask, bitmask[rows[i]])
     return out
+
+
+def fill_masks_split(matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequence[int]
+                     ) -> tuple[Callable[[], None], Callable[[], list[bool | Exception]]]:
+    """fill_masks in two calls: ``native``, the grammar engine's fill without the GIL (another
+    thread may run it; it does nothing where the backend has no such part), then ``finish`` on
+    the caller's thread, which returns fill_masks's result."""
+    split = getattr(type(matchers[0]), "fill_batch_split", None) if matchers else None
+    if split is None or len(matchers) < 2 or any(type(m) is not type(matchers[0]) for m in matchers):
+        return (lambda: None), (lambda: fill_masks(matchers, bitmask, rows))
+    native, finish = split(matchers, bitmask, rows)
+    return native, finish
 
 
 def accept_tokens(matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool | Exception]:

@@ -35,6 +35,7 @@ def grammar_config(config: ConstraintConfig) -> GrammarConfig:
         json_separators=_SEPARATORS[config.json_whitespace],
         json_any_whitespace=config.json_whitespace == "any",
         cache_size=config.grammar_cache_size,
+        fill_threads=config.grammar_fill_threads,
         limits=SpecLimits(config.grammar_max_bytes, config.grammar_max_nesting, config.grammar_max_enum,
                           config.grammar_max_repeat),
     )

@@ -1,0 +1,196 @@
+"""The grammar's host work per decode step at a batch size, without a model (issue 15).
+
+A batch of B constrained rows writes person records (benchmarks/structured_output.py's schema,
+compact JSON, tokenized by the model's tokenizer), each row at its own point of its record, as
+a decode step would see them. Each simulated step takes the engine's grammar calls in order:
+accept one token per row, ask whether each grammar is complete, fill the next masks. A row that
+ends its record starts the next one. Reported per step and per row: accept (one call per row,
+and llguidance's parallel `consume_token_par` in one call), the completeness checks, the mask
+fill at several sizes of llguidance's thread pool, and the fill in a thread while the main
+thread runs Python (the host making a step's text) at two GIL switch intervals.
+
+    python benchmarks/grammar_host.py [--tokenizer DIR] [--batches 16,64] [--steps 200]
+        [--threads 0,1,2,4,8] [--out benchmarks/results/grammar_host.json]
+
+--tokenizer defaults to the default model's (converted once into the cache dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from structured_output import CITIES, JOBS, NAMES, SCHEMA  # noqa: E402
+
+from radixlm.runtime.config import ConstraintConfig  # noqa: E402
+from radixlm.runtime.constrained.bitmask import allocate_bitmask  # noqa: E402
+from radixlm.runtime.constrained.grammar import fill_masks  # noqa: E402
+from radixlm.runtime.constrained.service import GrammarService  # noqa: E402
+from radixlm.runtime.tokenizer_loader import load_tokenizer  # noqa: E402
+
+
+def records(tokenizer: Any, n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        name = rng.choice(NAMES)
+        rec = {"name": name, "age": rng.randint(20, 70), "city": rng.choice(CITIES), "occupation": rng.choice(JOBS),
+               "email": name.lower().replace(" ", ".") + "@example.com"}
+        out.append(list(tokenizer.encode(json.dumps(rec, separators=(",", ":")), add_special_tokens=False)))
+    return out
+
+
+def default_tokenizer_dir() -> str:
+    from radixlm.runtime.config import default_cache_dir
+    from radixlm.runtime.model.source import DEFAULT_MODEL, resolve_model
+
+    return str(resolve_model(DEFAULT_MODEL, default_cache_dir()).tokenizer_dir)
+
+
+class Batch:
+    """B rows, each a matcher somewhere in its record."""
+
+    def __init__(self, grammar: Any, recs: list[list[int]], size: int) -> None:
+        self.grammar, self.recs = grammar, recs
+        self.rows: list[tuple[Any, list[int], int]] = []
+        for j in range(size):
+            rec = recs[j % len(recs)]
+            m = grammar.new_matcher()
+            k = (j * 7) % len(rec)
+            assert all(m.accept(t) for t in rec[:k])
+            self.rows.append((m, rec, k))
+
+    def next_tokens(self) -> list[int]:
+        return [rec[k] for _, rec, k in self.rows]
+
+    def advance(self) -> None:
+        """Each row moved one token on; a row past its record's end starts the next record."""
+        for j, (m, rec, k) in enumerate(self.rows):
+            if k + 1 < len(rec):
+                self.rows[j] = (m, rec, k + 1)
+            else:
+                nxt = self.recs[(self.recs.index(rec) + 1) % len(self.recs)]
+                self.rows[j] = (self.grammar.new_matcher(), nxt, 0)
+
+    @property
+    def matchers(self) -> list[Any]:
+        return [m for m, _, _ in self.rows]
+
+
+def busy_python(seconds: float) -> None:
+    """Stand-in for the host making a step's text: small Python calls, GIL held between them."""
+    end = time.perf_counter() + seconds
+    d: dict[int, str] = {}
+    while time.perf_counter() < end:
+        for i in range(50):
+            d[i] = str(i) + "x"
+
+
+def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, threads: list[int]) -> dict[str, Any]:
+    import llguidance
+
+    grammar = service.submit("json_schema", json.dumps(SCHEMA)).result()
+    executors = {n: llguidance.LLExecutor(n) if n else llguidance.LLExecutor() for n in threads}
+    bitmask = allocate_bitmask(size, service.vocab.vocab_size)
+    rows = list(range(size))
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args)
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    go, done = threading.Event(), threading.Event()
+    work: dict[str, Any] = {}
+
+    def filler() -> None:
+        while True:
+            go.wait()
+            go.clear()
+            fill_masks(work["matchers"], bitmask, rows)
+            done.set()
+
+    threading.Thread(target=filler, daemon=True).start()
+    batch = Batch(grammar, recs, size)
+    fills = [f"fill, pool {n or 'default'}" for n in threads]
+    fills += [f"1 ms Python {how} (switch {switch * 1e3:g} ms)"
+              for switch in (0.005, 0.0001) for how in ("then the fill", "with the fill in a thread")]
+    for step in range(steps):
+        ms = batch.matchers
+        toks = batch.next_tokens()
+        for m in ms:
+            m._settle()
+        if step % 2 == 0:  # the engine today: one call per row
+            timed("accept, a call per row", lambda a, b: [m.accept(t) for m, t in zip(a, b)], ms, toks)
+        else:  # llguidance's parallel consume, one call
+            raw = [(m._m, t) for m, t in zip(ms, toks)]
+            assert all(timed("accept, consume_token_par", executors[threads[0]].consume_token_par, raw))
+            for m in ms:
+                m._accepted += 1
+        timed("is_completed, a call per row", lambda a: [m.is_completed() for m in a], ms)
+        # the first fill after the accepts does the work (the same state's second fill is cheaper):
+        # one variant a step, in turn
+        name = fills[step % len(fills)]
+        if name.startswith("fill, pool"):
+            ex = executors[threads[fills.index(name)]]
+            for m in ms:
+                m._executor = ex
+            timed(name, fill_masks, ms, bitmask, rows)
+        else:
+            sys.setswitchinterval(0.005 if "switch 5 ms" in name else 0.0001)
+            t0 = time.perf_counter()
+            if "in a thread" in name:
+                work["matchers"] = ms
+                go.set()
+                busy_python(0.001)
+                done.wait()
+                done.clear()
+            else:
+                busy_python(0.001)
+                fill_masks(ms, bitmask, rows)
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+            sys.setswitchinterval(0.005)
+        batch.advance()
+    return {name: {"median_us_per_step": statistics.median(v) * 1e6,
+                   "median_us_per_row": statistics.median(v) * 1e6 / size} for name, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--threads", default="0,1,2,4,8", help="llguidance pool sizes (0: its default)")
+    ap.add_argument("--out", default="benchmarks/results/grammar_host.json")
+    args = ap.parse_args()
+    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_dir())
+    stop_ids = [tokenizer.eos_token_id]
+    service = GrammarService(tokenizer, len(tokenizer), stop_ids, ConstraintConfig(grammar_backend="llguidance"))
+    recs = records(tokenizer, 20)
+    threads = [int(x) for x in args.threads.split(",")]
+    result: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                              "python": sys.version.split()[0], "batches": {}}
+    for size in (int(b) for b in args.batches.split(",")):
+        got = run(service, recs, size, args.steps, threads)
+        result["batches"][size] = got
+        print(f"\nbatch {size}: median us a step (us a row)")
+        for name, row in got.items():
+            print(f"  {name:62s} {row['median_us_per_step']:9.1f}  ({row['median_us_per_row']:6.1f})")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    service.shutdown()
+
+
+if __name__ == "__main__":
+    main()
