@@ -32,7 +32,7 @@ OUT = 96
 # and admission per token and the ratio shows the grammar's own cost.
 SAME_LENGTH = 44
 MODES = ["free", "json_schema", "json_schema, jumps alone", "json_schema, every jump", "json_schema, no jump-forward",
-         "json_schema, mask on reject", "free, same length", "json_schema, jumps alone, masks after text",
+         "json_schema, mask on reject", "free, same length",
          "json_schema, jumps alone, fill pool 12"]
 
 
@@ -55,8 +55,6 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
         core.output.jump_policy = JumpPolicy()
     if mode.startswith("json_schema, jumps alone"):  # the measured policy, and jumps only while one request runs
         core.output.jump_policy = dataclasses.replace(policy, max_running=1)
-    if mode == "json_schema, jumps alone, masks after text":  # every mask filled after the step's text
-        core.grammar.config = dataclasses.replace(config, masks_ahead=False)
     backend = core.grammar.service.backend
     executor = getattr(backend, "_executor", None)
     if mode == "json_schema, jumps alone, fill pool 12" and executor is not None:  # llguidance's default pool

@@ -7,8 +7,8 @@ accept one token per row, ask whether each grammar is complete, fill the next ma
 ends its record starts the next one. Reported per step and per row: accept (one call per row,
 and llguidance's parallel `consume_token_par` in one call), the completeness checks, the mask
 fill at several sizes of llguidance's thread pool, and the fill beside 1 ms of Python on the main
-thread (the host making a step's text): after it, or with llguidance's GIL-free part in a thread
-(the engine's masks ahead, `fill_masks_split`), at two GIL switch intervals.
+thread (the host making a step's text): after it, or in a thread meanwhile, at two GIL switch
+intervals.
 
     python benchmarks/grammar_host.py [--tokenizer DIR] [--batches 16,64] [--steps 200]
         [--threads 0,1,2,4,8] [--out benchmarks/results/grammar_host.json]
@@ -35,7 +35,7 @@ from structured_output import CITIES, JOBS, NAMES, SCHEMA  # noqa: E402
 
 from radixlm.runtime.config import ConstraintConfig  # noqa: E402
 from radixlm.runtime.constrained.bitmask import allocate_bitmask  # noqa: E402
-from radixlm.runtime.constrained.grammar import fill_masks, fill_masks_split  # noqa: E402
+from radixlm.runtime.constrained.grammar import fill_masks  # noqa: E402
 from radixlm.runtime.constrained.service import GrammarService  # noqa: E402
 from radixlm.runtime.tokenizer_loader import load_tokenizer  # noqa: E402
 
@@ -115,11 +115,11 @@ def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, t
     go, done = threading.Event(), threading.Event()
     work: dict[str, Any] = {}
 
-    def filler() -> None:  # as the engine's masks ahead: only the grammar engine's GIL-free part
+    def filler() -> None:
         while True:
             go.wait()
             go.clear()
-            work["native"]()
+            fill_masks(work["matchers"], bitmask, rows)
             done.set()
 
     threading.Thread(target=filler, daemon=True).start()
@@ -152,12 +152,11 @@ def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, t
             sys.setswitchinterval(0.005 if "switch 5 ms" in name else 0.0001)
             t0 = time.perf_counter()
             if "in a thread" in name:
-                work["native"], finish = fill_masks_split(ms, bitmask, rows)
+                work["matchers"] = ms
                 go.set()
                 busy_python(0.001)
                 done.wait()
                 done.clear()
-                finish()
             else:
                 busy_python(0.001)
                 fill_masks(ms, bitmask, rows)

@@ -133,12 +133,9 @@ class ConstraintConfig:
     # masked and drawn again only when it does not). None: on the CPU, where a mask costs more than
     # the test; off on CUDA, where masks fill while the forward pass runs.
     mask_on_reject: bool | None = None
-    # Under the overlap schedule, the next masks of rows that cannot jump forward fill in a
-    # thread (the grammar engine releases the GIL) while the host makes the step's text.
-    masks_ahead: bool = True
     # Threads of llguidance's pool that fills a step's masks together. One is the fastest for
-    # rows of one grammar (they contend in its shared lexer: 64 rows took 0.89 ms on one thread,
-    # 1.66 ms on its default 12, on a 16-core Xeon; docs/structured-output.md).
+    # rows of one grammar, which contend in its shared lexer: 64 rows took 0.9-1.4 ms on one
+    # thread, 1.7-1.9 ms on its default 12 (16-core Xeon; docs/structured-output.md).
     grammar_fill_threads: int = 1
     grammar_compile_workers: int = 2
     grammar_cache_size: int = 1024
@@ -154,8 +151,7 @@ class ConstraintConfig:
         if self.json_whitespace not in JSON_WHITESPACE:
             raise ValueError(f"json_whitespace must be one of {JSON_WHITESPACE}, got {self.json_whitespace!r}")
         for name in ("grammar_fill_threads", "grammar_compile_workers", "grammar_cache_size", "grammar_max_bytes",
-                     "grammar_max_nesting",
-                     "grammar_max_enum", "grammar_max_repeat"):
+                     "grammar_max_nesting", "grammar_max_enum", "grammar_max_repeat"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.jump_forward_max_running is not None and self.jump_forward_max_running < 0:

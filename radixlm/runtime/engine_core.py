@@ -410,7 +410,6 @@ class EngineCore:
                 if r.status is Status.RUNNING and (len(r.output_ids), r.forced_tokens) == mark
                 and len(r.slots) == r.fill_len]
         if not keep:
-            self.grammar.drop_prefill()
             return None
         reqs = [ahead.reqs[i] for i in keep]
         with torch.inference_mode():  # the forward's logits are inference tensors; masks write them in place
@@ -474,23 +473,9 @@ class EngineCore:
         reqs = [run.samplers[i] for i in live]
         outputs = list(run.ended) + self.output.append(
             reqs, [ids[i] for i in live],
-            None if lps is None else [lps[i] for i in live], None if tops is None else [tops[i] for i in live],
-            self._prefill_ahead if self._masks_ahead() else None)
+            None if lps is None else [lps[i] for i in live], None if tops is None else [tops[i] for i in live])
         self.scheduler.end_step(run.step)
         return [self._end(o) if o.finished else o for o in outputs]
-
-    def _masks_ahead(self) -> bool:
-        """Whether the next masks may fill while the host makes this run's text: a step is queued
-        ahead, its rows mask first (not on a rejected token), and the config allows it."""
-        return (self._ahead_forward is not None and self.grammar.config.masks_ahead
-                and not self.grammar.lazy(self.device.type))
-
-    def _prefill_ahead(self, done: list[EngineRequest]) -> None:
-        """The grammars of ``done`` took the run's tokens: fill their masks of the step queued
-        ahead while the host makes the run's text (phase 4 takes them)."""
-        assert self._ahead_forward is not None
-        queued = {r.rid for r in self._ahead_forward.reqs}
-        self.grammar.prefill([r for r in done if r.rid in queued])
 
     def _ended_elsewhere(self) -> list[RequestOutput]:
         """Requests the scheduler ended on its own (max_new_tokens=0, out of memory)."""

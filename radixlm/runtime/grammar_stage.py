@@ -2,18 +2,15 @@
 
 It compiles each new request's constraint off the step loop, masks the logits of a step's
 constrained rows (one bitmask fill per row and step), accepts the sampled tokens and plans the
-jump over forced text. Under the overlap schedule the next step's masks of the rows whose grammar
-is done may be filled in a thread (the grammar engine releases the GIL) while the host makes the
-step's text (``prefill``). A failing grammar engine fails its own request, never the step.
+jump over forced text. A failing grammar engine fails its own request, never the step.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +18,7 @@ import torch
 
 from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
-from radixlm.runtime.constrained.grammar import Grammar, accept_tokens, fill_masks, fill_masks_split
+from radixlm.runtime.constrained.grammar import Grammar, accept_tokens, fill_masks
 from radixlm.runtime.constrained.jump_forward import Jump
 from radixlm.runtime.constrained.service import ERROR_PREFIX, GrammarService
 from radixlm.runtime.request import EngineRequest
@@ -32,10 +29,6 @@ COMPILE_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long on
 # where the grammar's time goes: filling and applying masks, testing a drawn token (mask on
 # reject), accepting tokens, and after a token (planning the jump, asking whether it is complete)
 PHASES = ("mask", "test", "accept", "after_token")
-# The interpreter's GIL switch interval while masks fill ahead (5 ms by default): the filling
-# thread gets the GIL from the busy step loop at once, and holds it only to enter and leave the
-# grammar engine, which fills the rows without it.
-PREFILL_SWITCH_S = 1e-4
 
 
 @dataclass(frozen=True)
@@ -45,17 +38,6 @@ class GrammarStep:
 
     jump: Jump | None
     done: bool
-
-
-@dataclass(frozen=True)
-class _Prefill:
-    """Masks being filled ahead: request id -> row of ``rows``, the grammar engine's fill running
-    in a thread, and the rest of the fill (run once it is done; it gives the outcome per row)."""
-
-    index: dict[str, int]
-    rows: torch.Tensor
-    native: Future[None]
-    finish: Callable[[], list[bool | Exception]]
 
 
 class GrammarStage:
@@ -70,14 +52,9 @@ class GrammarStage:
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)  # for the per-token grammar cost
         self.tokens = 0
         self.masks_skipped = 0  # greedy rows whose drawn token the grammar allowed without a mask
-        self.masks_ahead = 0  # rows whose mask was filled while the host made the step's text (prefill)
         # the masks of a step, reused: two, so a step never overwrites a copy still in flight
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
-        self._prefill: _Prefill | None = None
-        self._prefill_rows = torch.empty(0, 0, dtype=torch.int32)
-        self._filler: ThreadPoolExecutor | None = None  # one thread: the fill itself runs in the engine's pool
-        self._switch = sys.getswitchinterval()
 
     @property
     def service(self) -> GrammarService:
@@ -130,31 +107,21 @@ class GrammarStage:
         """Give each constrained row of ``logits`` (but those in ``skip``) its grammar's bitmask;
         other rows stay as they are. Returns the requests whose grammar engine failed (their rows
         stay unmasked: the caller ends them)."""
-        t0 = time.perf_counter()
-        pre, pre_got = self._take_prefill()
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None and i not in skip]
         if not rows:
-            self._spent("mask", t0)
             return []
+        t0 = time.perf_counter()
         bitmask = self._bitmask(len(rows), pinned=logits.device.type == "cuda")
         masked = [False] * len(rows)
         to_fill: list[int] = []
-        failed: list[tuple[EngineRequest, str]] = []
         for j, i in enumerate(rows):
-            rid = reqs[i].rid
-            kept = self._next_rows.pop(rid, None)
-            if kept is not None:
-                bitmask[j], masked[j] = kept
-            elif pre is not None and rid in pre.index:
-                got = pre_got[pre.index[rid]]
-                if isinstance(got, Exception):
-                    failed.append((reqs[i], self.engine_error("masking", got)))
-                else:
-                    bitmask[j], masked[j] = pre.rows[pre.index[rid]], got
-                    self.masks_ahead += 1
-            else:
+            kept = self._next_rows.pop(reqs[i].rid, None)
+            if kept is None:
                 to_fill.append(j)
+            else:
+                bitmask[j], masked[j] = kept
         matchers = [reqs[rows[j]].matcher for j in to_fill]
+        failed: list[tuple[EngineRequest, str]] = []
         for j, got in zip(to_fill, fill_masks(matchers, bitmask, to_fill)):  # type: ignore[arg-type]
             if isinstance(got, Exception):
                 failed.append((reqs[rows[j]], self.engine_error("masking", got)))
@@ -168,51 +135,6 @@ class GrammarStage:
         self._spent("mask", t0)
         return failed
 
-    def prefill(self, reqs: list[EngineRequest]) -> None:
-        """Start filling the next step's masks of ``reqs``, whose grammars are done with this
-        step, in a thread; the next ``mask`` takes them. Until then nothing else may use their
-        matchers (the caller makes the step's text meanwhile)."""
-        self._take_prefill()
-        todo = [r for r in reqs if r.matcher is not None and r.rid not in self._next_rows]
-        if not todo:
-            return
-        t0 = time.perf_counter()
-        if self._prefill_rows.shape[0] < len(todo):
-            self._prefill_rows = allocate_bitmask(max(len(todo), 8), self.vocab_size)
-        rows = self._prefill_rows[: len(todo)]
-        if self._filler is None:
-            self._filler = ThreadPoolExecutor(1, thread_name_prefix="radixlm-masks")
-        matchers = [r.matcher for r in todo if r.matcher is not None]
-        # the thread runs only the grammar engine's fill, which holds no GIL: the Python before
-        # and after it stays on this thread, so the two never take turns at the GIL
-        native, finish = fill_masks_split(matchers, rows, list(range(len(todo))))
-        self._switch = sys.getswitchinterval()
-        sys.setswitchinterval(PREFILL_SWITCH_S)
-        self._prefill = _Prefill({r.rid: j for j, r in enumerate(todo)}, rows, self._filler.submit(native), finish)
-        self._spent("mask", t0)
-
-    def drop_prefill(self) -> None:
-        """Masks filled ahead and not taken by now are stale: wait for the fill, forget them."""
-        self._take_prefill()
-
-    def _take_prefill(self) -> tuple[_Prefill | None, list[bool | Exception]]:
-        """The masks filled ahead, once the fill is over (the matchers are free again)."""
-        pre, self._prefill = self._prefill, None
-        if pre is None:
-            return None, []
-        try:
-            pre.native.result()
-        except Exception as e:  # noqa: BLE001 - the engine's part reports per row; this is the thread itself failing
-            return pre, [e] * len(pre.index)
-        finally:
-            sys.setswitchinterval(self._switch)
-        return pre, pre.finish()
-
-    def lazy(self, device_type: str) -> bool:
-        """Whether greedy rows draw before their mask (``--mask-on-reject``; the CPU default)."""
-        on = self.config.mask_on_reject
-        return on if on is not None else device_type == "cpu"
-
     def unmasked_rows(self, logits: torch.Tensor, reqs: list[EngineRequest]) -> list[int]:
         """The constrained rows whose mask can wait until their token is drawn (``rejected``
         then says which need it): greedy rows on the host, without logprobs, whose grammar engine
@@ -220,7 +142,8 @@ class GrammarStage:
         of the masked row, so the output is the same token for token; a CPU step then skips the
         mask fill and apply, which cost far more than the test once the forward pass has swept the
         grammar's tables out of the caches."""
-        if not self.lazy(logits.device.type):
+        if not (self.config.mask_on_reject if self.config.mask_on_reject is not None
+                else logits.device.type == "cpu"):
             return []
         return [i for i, r in enumerate(reqs)
                 if r.matcher is not None and r.params.is_greedy and not r.return_logprob
@@ -302,9 +225,6 @@ class GrammarStage:
         return f"{ERROR_PREFIX} the grammar engine failed while {what} ({type(e).__name__}: {e})"
 
     def shutdown(self) -> None:
-        self._take_prefill()
-        if self._filler is not None:
-            self._filler.shutdown()
         if self._service is not None:
             self._service.shutdown()
 
@@ -322,4 +242,4 @@ class GrammarStage:
 
     def stats(self) -> dict[str, Any]:
         return {"grammar_seconds": self.seconds, "grammar_tokens": self.tokens,
-                "grammar_masks_skipped": self.masks_skipped, "grammar_masks_ahead": self.masks_ahead}
+                "grammar_masks_skipped": self.masks_skipped}

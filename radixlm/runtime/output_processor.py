@@ -19,16 +19,6 @@ from radixlm.runtime.request import EngineRequest
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.stop import StopRegexTimeout
 
-_GrammarResult = tuple[str, str | None, bool]  # forced text added, stop matched in it, grammar done
-
-
-def _grammar_needs_no_text(req: EngineRequest, tok: int, min_gain: int | None) -> bool:
-    """Whether the grammar's work on ``tok`` may run before its text is made: no jump can follow
-    (a jump restarts the detokenizer after the token's text) and no stop can end the text
-    first (a stop token, a stop string, a stop regex)."""
-    return ((min_gain is None or not req.jump_forward) and tok not in req.eos_ids
-            and tok not in req.params.stop_token_ids and not req.stop.stop and not req.stop.regexes)
-
 
 @dataclass
 class RequestOutput:
@@ -78,31 +68,13 @@ class OutputProcessor:
         self.totals = Totals()
 
     def append(self, reqs: list[EngineRequest], tokens: list[int], logprobs: list[float] | None = None,
-               top_logprobs: list[list[tuple[int, float]]] | None = None,
-               grammar_done: Callable[[list[EngineRequest]], None] | None = None) -> list[RequestOutput]:
-        """Each request's sampled token: grammar, text, stops, finishing.
-
-        ``grammar_done``: called with the constrained requests whose grammar is done with this
-        step before any row's text is made: those that cannot jump forward now and look for no
-        stop string (their grammar work needs no text). Their next masks can be filled meanwhile;
-        the other rows' grammars advance with their text, as without it."""
+               top_logprobs: list[list[tuple[int, float]]] | None = None) -> list[RequestOutput]:
+        """Each request's sampled token: grammar, text, stops, finishing."""
         now = time.perf_counter()
         results = []
         constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
         accepted = dict(zip(constrained, self.grammar.accept_all([reqs[i] for i in constrained],
                                                                  [tokens[i] for i in constrained]))) if constrained else {}
-        # the step's batch sets when a jump pays, rows finishing during the loop or not
-        min_gain = self.jump_policy.min_gain(len(self.scheduler.running))
-        early: dict[int, _GrammarResult | Exception] = {}
-        if grammar_done is not None:
-            for i in constrained:
-                req = reqs[i]
-                if accepted[i] is True and _grammar_needs_no_text(req, tokens[i], min_gain):
-                    try:
-                        early[i] = self._grammar_advance(req, None)
-                    except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
-                        early[i] = e
-            grammar_done([reqs[i] for i in early])
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.output_ids.append(tok)
             took = accepted.get(i, True)
@@ -116,14 +88,12 @@ class OutputProcessor:
                 if req.top_logprobs_num and top_logprobs is not None:
                     req.output_top_logprobs.append([(lp, t) for t, lp in top_logprobs[i]])
             try:
-                results.append(self._advance(req, tok, min_gain, early.get(i)))
+                results.append(self._advance(req, tok))
             except StopRegexTimeout as e:  # a pattern too slow to search ends its request only
                 results.append(self.fail(req, str(e)))
         return results
 
-    def _advance(self, req: EngineRequest, tok: int, min_gain: int | None,
-                 grammar: _GrammarResult | Exception | None = None) -> RequestOutput:
-        """``grammar``: what the grammar made of the token already (before the text), if it did."""
+    def _advance(self, req: EngineRequest, tok: int) -> RequestOutput:
         p = req.params
         delta = ""
         if tok in req.eos_ids or tok in p.stop_token_ids:
@@ -132,9 +102,7 @@ class OutputProcessor:
             delta, matched = req.stop.feed(req.detok.push([tok]))
             if req.matched_stop is None and matched is None and req.matcher is not None:
                 try:
-                    if isinstance(grammar, Exception):
-                        raise grammar
-                    forced, matched, done = grammar or self._grammar_advance(req, min_gain)
+                    forced, matched, done = self._grammar_advance(req)
                 except StopRegexTimeout:
                     raise
                 except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
@@ -159,13 +127,12 @@ class OutputProcessor:
         self.scheduler.finish(req, reason)
         return self.finish(req, delta)
 
-    def _grammar_advance(self, req: EngineRequest, min_gain: int | None) -> _GrammarResult:
-        """Jump over forced text (a jump writes ``min_gain`` tokens at least; None: no jump).
-        Returns (text added, stop string matched in it, whether the grammar is complete and
-        allows nothing but a stop token)."""
+    def _grammar_advance(self, req: EngineRequest) -> tuple[str, str | None, bool]:
+        """Jump over forced text. Returns (text added, stop string matched in it, whether the
+        grammar is complete and allows nothing but a stop token)."""
         limit = min(req.params.max_new_tokens, self.context_length - len(req.prompt_ids))
         floor = max(req.tree_len - len(req.prompt_ids), 0)
-        step = self.grammar.after_token(req, limit, floor, min_gain)
+        step = self.grammar.after_token(req, limit, floor, self.jump_policy.min_gain(len(self.scheduler.running)))
         text, matched = "", None
         if step.jump is not None:
             text, matched = self._apply_jump(req, step.jump.keep, list(step.jump.new_ids), step.jump.text)

@@ -5,8 +5,6 @@ over the CPU, where each queued step runs at once but every bookkeeping path is 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -41,8 +39,7 @@ def engines():
     # fp32: a step queued ahead still holds the rows of requests that finished meanwhile, so its
     # batch is larger than the plain loop's; CPU bf16 matmuls round differently per batch size
     # (logits moved by up to 0.25, enough to flip a sampled token), fp32 ones by ~1e-5.
-    # masks first, as on CUDA (the CPU's default draws greedy rows before masking them)
-    on = Engine(overlap_schedule=True, mask_on_reject=False, max_total_tokens=4096, dtype="float32")
+    on = Engine(overlap_schedule=True, max_total_tokens=4096, dtype="float32")
     off = Engine(overlap_schedule=False, max_total_tokens=4096, dtype="float32")
     yield on, off
     on.shutdown()
@@ -174,8 +171,7 @@ def _constrained_batch(jump_forward: bool, sampled: bool) -> tuple[list[str], li
     params = [
         {**t, **jf, "seed": 1, "max_new_tokens": 40, "json_schema": PERSON},
         {**t, **jf, "seed": 2, "max_new_tokens": 40, "json_schema": {"type": "array", "items": {"type": "integer"},
-                                                                     "maxItems": 4},
-         "stop": ["never there"]},  # a stop string: its grammar advances with its text, after the others
+                                                                     "maxItems": 4}},
         {**t, **jf, "seed": 3, "max_new_tokens": 16, "regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"},
         {**t, **jf, "seed": 4, "max_new_tokens": 8, "choices": ["yes, surely", "no, never"]},
         {**t, "seed": 5, "max_new_tokens": 12},
@@ -188,38 +184,19 @@ def _constrained_batch(jump_forward: bool, sampled: bool) -> tuple[list[str], li
 @pytest.mark.parametrize("jump_forward", [True, False], ids=["jump", "no-jump"])
 def test_constrained_rows_join_the_overlap_schedule(engines, jump_forward, sampled):
     """Mixed batches of constrained and free rows: the overlap loop (masks filled after the
-    previous tokens reach the grammars, while the queued forward runs and, for rows that cannot
-    jump, while the host makes the previous step's text; a row that jumped forward dropped, its
-    extend queued ahead with the next step) gives the plain loop's outputs token for token, and
-    does look ahead."""
+    previous tokens reach the grammars, while the queued forward runs; a row that jumped forward
+    dropped, its extend queued ahead with the next step) gives the plain loop's outputs token for
+    token, and does look ahead."""
     on, off = engines
     prompts, params = _constrained_batch(jump_forward, sampled)
-    before, extends, filled = on.core.ahead_steps, on.core.ahead_extends, on.core.grammar.masks_ahead
+    before, extends = on.core.ahead_steps, on.core.ahead_extends
     got = [_strip(o) for o in on.generate(prompts, params)]
     ref = [_strip(o) for o in off.generate(prompts, params)]
     assert got == ref
     assert on.core.ahead_steps - before >= 5
     if jump_forward:  # a jump's extend is queued ahead too, next to the other rows' decodes
         assert on.core.ahead_extends > extends
-    else:  # rows that cannot jump: their next masks were filled while the host made the text
-        assert on.core.grammar.masks_ahead - filled >= 10
     alone = [_strip(o) for o in on.generate(prompts[:1], params[:1])]  # a constrained row alone (bs 1)
     assert alone == ref[:1]
     on.core.check_idle_integrity()
     off.core.check_idle_integrity()
-
-
-def test_masks_ahead_off_fills_every_mask_after_the_text(engines):
-    """--masks-ahead off: the overlap loop fills no mask while the host makes the text, and gives
-    the same outputs."""
-    on, off = engines
-    prompts, params = _constrained_batch(jump_forward=False, sampled=False)
-    config = on.core.grammar.config
-    on.core.grammar.config = dataclasses.replace(config, masks_ahead=False)
-    try:
-        filled, before = on.core.grammar.masks_ahead, on.core.ahead_steps
-        got = [_strip(o) for o in on.generate(prompts, params)]
-        assert on.core.grammar.masks_ahead == filled and on.core.ahead_steps - before >= 5
-    finally:
-        on.core.grammar.config = config
-    assert got == [_strip(o) for o in off.generate(prompts, params)]

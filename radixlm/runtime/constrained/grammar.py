@@ -138,18 +138,6 @@ def fill_masks(matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequence[
     return out
 
 
-def fill_masks_split(matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequence[int]
-                     ) -> tuple[Callable[[], None], Callable[[], list[bool | Exception]]]:
-    """fill_masks in two calls: ``native``, the grammar engine's fill without the GIL (another
-    thread may run it; it does nothing where the backend has no such part), then ``finish`` on
-    the caller's thread, which returns fill_masks's result."""
-    split = getattr(type(matchers[0]), "fill_batch_split", None) if matchers else None
-    if split is None or len(matchers) < 2 or any(type(m) is not type(matchers[0]) for m in matchers):
-        return (lambda: None), (lambda: fill_masks(matchers, bitmask, rows))
-    native, finish = split(matchers, bitmask, rows)
-    return native, finish
-
-
 def accept_tokens(matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool | Exception]:
     """Advance ``matchers[i]`` over ``tokens[i]``, a backend's matchers at once where it can.
     Entry i: whether the grammar took the token, or the exception its matcher raised."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from radixlm.runtime.constrained import structural_tag
@@ -287,54 +287,30 @@ class LLGuidanceMatcher:
     @staticmethod
     def fill_batch(matchers: Sequence[LLGuidanceMatcher], bitmask: Any,
                    rows: Sequence[int]) -> list[bool | Exception] | None:
-        """fill_mask for many matchers in llguidance's thread pool (the GIL released)."""
-        native, finish = LLGuidanceMatcher.fill_batch_split(matchers, bitmask, rows)
-        native()
-        return finish()
-
-    @staticmethod
-    def fill_batch_split(matchers: Sequence[LLGuidanceMatcher], bitmask: Any,
-                         rows: Sequence[int]) -> tuple[Callable[[], None], Callable[[], list[bool | Exception]]]:
-        """fill_batch in two calls: ``native`` runs llguidance's fill, which holds no GIL (another
-        thread may run it while the caller's thread goes on); ``finish``, on the caller's thread
-        after it, checks each row and returns fill_batch's result. A batch call that fails is
-        retried row by row in ``finish``, where an error lands on its own row."""
+        """fill_mask for many matchers in llguidance's thread pool (the GIL released); None when
+        the batch call itself fails, so the caller fills row by row."""
         width = bitmask_width(matchers[0].vocab_size)
-        executor, n_rows = matchers[0]._executor, int(bitmask.shape[0])
-        failed: list[Exception] = []
-        live: list[tuple[Any, int]] = []
         try:
             ptr = mask_pointer(bitmask, width, ndim=2)
             for m in matchers:
                 m._settle()
             live = [(m._m, r) for m, r in zip(matchers, rows) if not m._terminated]
-        except Exception as e:  # noqa: BLE001 - finish retries row by row
-            failed.append(e)
-
-        def native() -> None:
+            if live:
+                matchers[0]._executor.unsafe_compute_mask_ptr(live, ptr, 4 * width, int(bitmask.shape[0]))
+        except Exception:  # noqa: BLE001 - retried row by row, where the error lands on its own row
+            return None
+        out: list[bool | Exception] = []
+        words = _words(bitmask)
+        for m, r in zip(matchers, rows):
             try:
-                if live and not failed:
-                    executor.unsafe_compute_mask_ptr(live, ptr, 4 * width, n_rows)
-            except Exception as e:  # noqa: BLE001 - finish retries row by row
-                failed.append(e)
-
-        def finish() -> list[bool | Exception]:
-            out: list[bool | Exception] = []
-            words = _words(bitmask)
-            for m, r in zip(matchers, rows):
-                try:
-                    if failed:
-                        m.fill_mask(bitmask[r])
-                    elif m._terminated:
-                        m._only_stops(words[r])
-                    else:
-                        m._finish_row(words[r])
-                    out.append(True)
-                except Exception as e:  # noqa: BLE001 - a grammar-engine failure is its own row's
-                    out.append(e)
-            return out
-
-        return native, finish
+                if m._terminated:
+                    m._only_stops(words[r])
+                else:
+                    m._finish_row(words[r])
+                out.append(True)
+            except Exception as e:  # noqa: BLE001 - a grammar-engine failure is its own row's
+                out.append(e)
+        return out
 
     def allows(self, token: int) -> bool:
         """Whether the mask would allow ``token`` next, the state unchanged as far as any other

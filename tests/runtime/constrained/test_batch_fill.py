@@ -6,14 +6,15 @@ fails only its own row."""
 from __future__ import annotations
 
 import random
-import threading
 
 import numpy as np
 import pytest
 
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, allowed_tokens
-from radixlm.runtime.constrained.grammar import GrammarConfig, accept_tokens, fill_masks, fill_masks_split
+from radixlm.runtime.constrained.grammar import GrammarConfig, accept_tokens, fill_masks
+from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS
+from radixlm.runtime.constrained.service import grammar_config
 
 pytestmark = pytest.mark.slow
 
@@ -76,41 +77,11 @@ def test_fill_masks_equals_fill_mask_row_by_row(backend):
     assert type(matchers[0]).fill_batch(matchers, batch, rows) is not None  # the batch path, no fallback
 
 
-def test_a_split_fill_run_in_another_thread_equals_fill_mask_row_by_row(backend):
-    """fill_masks_split: the grammar engine's part in another thread (llguidance's, without the
-    GIL), the rest on the caller's; the rows are fill_mask's. xgrammar has no split: all of its
-    fill runs in ``finish``."""
-    pairs = _walk(backend, random.Random(5))
-    batch = allocate_bitmask(len(pairs) + 1, backend.vocab_size)
-    batch.fill_(7)
-    rows = [1 + i for i in range(len(pairs))]
-    native, finish = fill_masks_split([a for a, _ in pairs], batch, rows)
-    worker = threading.Thread(target=native)
-    worker.start()
-    worker.join()
-    if backend.name == "xgrammar":
-        assert np.all(batch.numpy() == 7)  # nothing filled before finish
-    got = finish()
-    _same_rows(pairs, batch, rows, got, backend.vocab_size)
-
-
-def test_a_split_fill_that_fails_in_the_engine_fails_only_its_row(backends, smol_tokenizer):
-    """The llguidance failure of the test below (another schema: a compiled grammar whose lexer
-    gave up stays broken in the cache), through the split: its row alone fails."""
-    backend = backends["llguidance"]
-    broken = backend.compile("json_schema", {"type": "string", "minLength": 1, "maxLength": 4999,
-                                             "pattern": "^$|(^(?:\\S+\\s+){0,99}\\S+$)"}).new_matcher()
-    assert broken.accept(smol_tokenizer.encode('"', add_special_tokens=False)[0])
-    pairs = _walk(backend, random.Random(6))
-    matchers = [a for a, _ in pairs[:2]] + [broken] + [a for a, _ in pairs[2:4]]
-    batch = allocate_bitmask(len(matchers), backend.vocab_size)
-    native, finish = fill_masks_split(matchers, batch, list(range(len(matchers))))
-    native()
-    got = finish()
-    assert isinstance(got[2], RuntimeError) and not any(isinstance(g, Exception) for i, g in enumerate(got) if i != 2)
-
-
-def test_fill_threads_must_be_positive():
+def test_the_fill_pool_size_is_the_engines_flag_and_positive():
+    assert grammar_config(ConstraintConfig(grammar_fill_threads=3)).fill_threads == 3
+    assert grammar_config(ConstraintConfig()).fill_threads == 1
+    with pytest.raises(ValueError, match="grammar_fill_threads"):
+        ConstraintConfig(grammar_fill_threads=0)
     with pytest.raises(ValueError, match="fill_threads"):
         GrammarConfig(fill_threads=0)
 
