@@ -59,17 +59,21 @@ def default_tokenizer_dir() -> str:
 
 
 class Batch:
-    """B rows, each a matcher somewhere in its record."""
+    """B rows, each a matcher somewhere in its record; ``grammars``: K compiles of the schema,
+    row j on compile j * K // B (rows share a lexer only within their block)."""
 
-    def __init__(self, grammar: Any, recs: list[list[int]], size: int) -> None:
-        self.grammar, self.recs = grammar, recs
+    def __init__(self, grammars: list[Any], recs: list[list[int]], size: int) -> None:
+        self.grammars, self.recs, self.size = grammars, recs, size
         self.rows: list[tuple[Any, list[int], int]] = []
         for j in range(size):
             rec = recs[j % len(recs)]
-            m = grammar.new_matcher()
+            m = self._grammar(j).new_matcher()
             k = (j * 7) % len(rec)
             assert all(m.accept(t) for t in rec[:k])
             self.rows.append((m, rec, k))
+
+    def _grammar(self, j: int) -> Any:
+        return self.grammars[j * len(self.grammars) // self.size]
 
     def next_tokens(self) -> list[int]:
         return [rec[k] for _, rec, k in self.rows]
@@ -81,7 +85,7 @@ class Batch:
                 self.rows[j] = (m, rec, k + 1)
             else:
                 nxt = self.recs[(self.recs.index(rec) + 1) % len(self.recs)]
-                self.rows[j] = (self.grammar.new_matcher(), nxt, 0)
+                self.rows[j] = (self._grammar(j).new_matcher(), nxt, 0)
 
     @property
     def matchers(self) -> list[Any]:
@@ -97,10 +101,17 @@ def busy_python(seconds: float) -> None:
             d[i] = str(i) + "x"
 
 
-def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, threads: list[int]) -> dict[str, Any]:
+def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, threads: list[int],
+        lexers: int) -> dict[str, Any]:
     import llguidance
 
-    grammar = service.submit("json_schema", json.dumps(SCHEMA)).result()
+    from radixlm.runtime.constrained.grammar import normalize_spec
+
+    # K compiles of the schema, each with a lexer of its own (0: one per row)
+    _, norm = normalize_spec("json_schema", json.dumps(SCHEMA))
+    backend: Any = service.backend
+    grammars = [backend._compile_uncached("json_schema", backend._enforceable_schema(norm))
+                for _ in range(lexers or size)]
     executors = {n: llguidance.LLExecutor(n) if n else llguidance.LLExecutor() for n in threads}
     bitmask = allocate_bitmask(size, service.vocab.vocab_size)
     rows = list(range(size))
@@ -123,7 +134,7 @@ def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, t
             done.set()
 
     threading.Thread(target=filler, daemon=True).start()
-    batch = Batch(grammar, recs, size)
+    batch = Batch(grammars, recs, size)
     fills = [f"fill, pool {n or 'default'}" for n in threads]
     fills += [f"1 ms Python {how} (switch {switch * 1e3:g} ms)"
               for switch in (0.005, 0.0001) for how in ("then the fill", "with the fill in a thread")]
@@ -173,6 +184,8 @@ def main() -> None:
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", default="0,1,2,4,8", help="llguidance pool sizes (0: its default)")
+    ap.add_argument("--lexers", type=int, default=1,
+                    help="compiles of the schema, rows in blocks on them (0: one per row, no lexer shared)")
     ap.add_argument("--out", default="benchmarks/results/grammar_host.json")
     args = ap.parse_args()
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_dir())
@@ -181,11 +194,12 @@ def main() -> None:
     recs = records(tokenizer, 20)
     threads = [int(x) for x in args.threads.split(",")]
     result: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                              "lexers": args.lexers,
                               "python": sys.version.split()[0], "batches": {}}
     for size in (int(b) for b in args.batches.split(",")):
-        got = run(service, recs, size, args.steps, threads)
+        got = run(service, recs, size, args.steps, threads, args.lexers)
         result["batches"][size] = got
-        print(f"\nbatch {size}: median us a step (us a row)")
+        print(f"\nbatch {size}, {args.lexers or size} lexers: median us a step (us a row)")
         for name, row in got.items():
             print(f"  {name:62s} {row['median_us_per_step']:9.1f}  ({row['median_us_per_row']:6.1f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
