@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from radixlm.runtime.constrained import structural_tag
+from radixlm.runtime.constrained.finite_schema import finite_schema
 from radixlm.runtime.constrained.limits import SpecLimits, check_spec, grammar_bounds
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema, prepare_json_schema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
@@ -578,8 +579,8 @@ class CachedGrammarBackend:
     def _enforceable_schema(self, text: str) -> str:
         schema = json.loads(text)
         try:
-            checked = self.check_schema(schema)
-        except UnsupportedSchema as e:
+            checked = self._checked(schema)
+        except (UnsupportedSchema, ValueError) as e:
             raise ValueError(f"cannot compile json_schema: {e}") from None
         return text if checked is schema else _json_dumps(checked)
 
@@ -588,10 +589,15 @@ class CachedGrammarBackend:
         data = json.loads(text)
         for i, s in enumerate(data["structures"]):
             try:
-                s["schema"] = self.check_schema(s["schema"])
-            except UnsupportedSchema as e:
+                s["schema"] = self._checked(s["schema"])
+            except (UnsupportedSchema, ValueError) as e:
                 raise ValueError(f"cannot compile structural_tag: structures[{i}].schema: {e}") from None
         return _json_dumps(data)
+
+    def _checked(self, schema: Any) -> Any:
+        """The schema to compile: the enum of the values it accepts when it lists them all
+        (:func:`finite_schema`, exact whatever else it says), then ``check_schema``."""
+        return self.check_schema(finite_schema(schema, self.config.limits.max_enum) or schema)
 
     def remember_failure(self, kind: str, spec: Any, message: str) -> None:
         """Cache ``message`` as the outcome of compiling ``(kind, spec)`` (a compile that ran

@@ -1,0 +1,82 @@
+"""Finite schemas: a JSON Schema whose values are all listed somewhere in it becomes an enum.
+
+When a schema's own ``enum`` or ``const`` (or that of an ``allOf`` branch, or of every branch of
+an ``anyOf`` / ``oneOf``) lists every value it can accept, the values it does accept are exactly
+those of the list that pass the whole schema. A JSON Schema validator decides each one, so the
+schema compiles to ``{"enum": [...]}`` of the survivors: exact whatever else the schema says
+(``not``, ``if``/``then``, ``uniqueItems``, keywords no grammar engine enforces). The JSON Schema
+test suite's corner cases (JSONSchemaBench's Synthesized file) are mostly of this form.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["finite_schema", "listed_values"]
+
+_BRANCHES = ("anyOf", "oneOf")
+
+
+def _key(value: Any) -> str:
+    """Identity of a JSON value (true and 1 differ; object key order does not)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _intersect(a: list[Any] | None, b: list[Any] | None) -> list[Any] | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    keys = {_key(v) for v in b}
+    return [v for v in a if _key(v) in keys]
+
+
+def listed_values(schema: Any) -> list[Any] | None:
+    """Every value ``schema`` can accept, when parts of it list them all (a superset: the whole
+    schema may refuse some); None when nothing bounds it to a list."""
+    if not isinstance(schema, dict):
+        return [] if schema is False else None
+    bound: list[Any] | None = None
+    if "const" in schema:
+        bound = [schema["const"]]
+    if isinstance(schema.get("enum"), list):
+        bound = _intersect(bound, list(schema["enum"]))
+    for branch in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
+        bound = _intersect(bound, listed_values(branch))
+    for word in _BRANCHES:
+        branches = schema.get(word)
+        if isinstance(branches, list) and branches:
+            each = [listed_values(b) for b in branches]
+            if all(v is not None for v in each):
+                union: dict[str, Any] = {}
+                for values in each:
+                    union.update((_key(v), v) for v in values or [])
+                bound = _intersect(bound, list(union.values()))
+    if bound is None:
+        return None
+    unique: dict[str, Any] = {}
+    for v in bound:
+        unique.setdefault(_key(v), v)
+    return list(unique.values())
+
+
+def finite_schema(schema: Any, max_values: int) -> dict[str, Any] | None:
+    """``{"enum": values}`` for a schema bounded by listed values (those the whole schema accepts,
+    by a JSON Schema validator, in their listed order); None when nothing bounds it, or when
+    more than ``max_values`` are listed. ValueError when none of the listed values passes."""
+    values = listed_values(schema)
+    if values is None or len(values) > max_values or not isinstance(schema, dict) or set(schema) in ({"enum"}, {"const"}):
+        return None  # unbounded, too many, or a plain enum / const already
+    import jsonschema  # lazy: only for schemas of this form
+
+    try:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls.check_schema(schema)
+        validator = cls(schema)
+        kept = [v for v in values if validator.is_valid(v)]
+    except Exception:  # noqa: BLE001 - not a schema the validator can decide (say, a $ref it cannot resolve): compiled as it is
+        return None
+    if not kept:
+        raise ValueError("no value that its enum/const lists satisfies the whole schema: it accepts nothing")
+    return {"enum": kept}

@@ -1,0 +1,61 @@
+"""Finite schemas: a schema whose values are all listed (its enum/const, an allOf branch's, every
+anyOf/oneOf branch's) compiles to the enum of the listed values the whole schema accepts, decided
+by a JSON Schema validator; so keywords no grammar engine enforces (not, if/then, uniqueItems)
+are exact there. Then the real backends: the listed values that pass are accepted, the others
+refused, and a schema that accepts none is a ValueError naming why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from matcher_helpers import _feed, _ids
+
+from radixlm.runtime.constrained.finite_schema import finite_schema, listed_values
+from radixlm.runtime.constrained.grammar import GrammarConfig
+from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS
+
+# JSONSchemaBench's Synthesized form: an enum, and a `not` no grammar engine enforces
+NOT_SCHEMA = {"allOf": [{"enum": [[1, 2], [1, 1], "x", 3]}, {"not": {"uniqueItems": True, "type": "array"}}]}
+
+
+def test_listed_values_bound_a_schema_or_not():
+    assert listed_values({"type": "string"}) is None
+    assert listed_values({"enum": [1, True, 1, {"a": 1, "b": 2}, {"b": 2, "a": 1}]}) == [1, True, {"a": 1, "b": 2}]
+    assert listed_values({"const": "a", "enum": ["a", "b"]}) == ["a"]
+    assert listed_values({"allOf": [{"type": "integer"}, {"enum": [1, 2]}, {"enum": [2, 3]}]}) == [2]
+    assert listed_values({"anyOf": [{"const": 1}, {"enum": [2, 3]}]}) == [1, 2, 3]
+    assert listed_values({"oneOf": [{"const": 1}, {"type": "string"}]}) is None  # one branch unbounded
+    assert listed_values({"allOf": [False]}) == []
+
+
+def test_the_values_the_whole_schema_accepts_become_the_enum():
+    assert finite_schema(NOT_SCHEMA, 4096) == {"enum": [[1, 1], "x", 3]}
+    # oneOf: a value in both branches passes neither as "exactly one"
+    assert finite_schema({"oneOf": [{"enum": [1, 2]}, {"enum": [2, 3]}]}, 4096) == {"enum": [1, 3]}
+    assert finite_schema({"if": {"const": 1}, "then": {"type": "string"}, "enum": [1, 2]}, 4096) == {"enum": [2]}
+    assert finite_schema({"enum": ["a", "b"]}, 4096) is None  # already a plain enum
+    assert finite_schema({"type": "object"}, 4096) is None
+    assert finite_schema({"enum": list(range(10)), "minimum": 5}, 4) is None  # more listed than the limit
+
+
+def test_a_schema_that_accepts_no_listed_value_is_refused():
+    with pytest.raises(ValueError, match="accepts nothing"):
+        finite_schema({"const": 5, "type": "string"}, 4096)
+
+
+def test_a_schema_the_validator_cannot_decide_is_left_as_it_is():
+    assert finite_schema({"enum": [1, 2], "$ref": "#/$defs/missing"}, 4096) is None
+
+
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
+def test_backends_enforce_a_finite_schema_exactly(name, vocab, smol_tokenizer):
+    backend = GRAMMAR_BACKENDS[name](vocab, GrammarConfig(cache_size=8))
+    grammar = backend.compile("json_schema", json.dumps(NOT_SCHEMA))
+    stop = vocab.stop_ids[0]
+    for text, ok in [("[1,1]", True), ('"x"', True), ("3", True), ("[1,2]", False), ("4", False)]:
+        m = grammar.new_matcher()
+        refused = _feed(m, _ids(smol_tokenizer, text) + [stop])
+        assert (refused is None) == ok, (name, text)
+    with pytest.raises(ValueError, match="cannot compile json_schema: .*accepts nothing"):
+        backend.compile("json_schema", json.dumps({"allOf": [{"const": "a"}, {"not": {"const": "a"}}]}))
