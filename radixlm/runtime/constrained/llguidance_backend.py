@@ -43,7 +43,7 @@ from radixlm.runtime.constrained.grammar import (
     bitmask_width,
     mask_pointer,
 )
-from radixlm.runtime.constrained.schema_check import UnsupportedSchema
+from radixlm.runtime.constrained.schema_check import UnsupportedSchema, exclude_each_other
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
 __all__ = ["KNOWN_FORMATS", "STANDARD_FORMATS", "LLGuidanceBackend", "LLGuidanceGrammar", "LLGuidanceMatcher", "choices_to_lark",
@@ -88,8 +88,13 @@ def prepare_schema(schema: Any) -> Any:
       by ``additionalProperties`` or ``patternProperties``) and counts each repeat towards
       ``minProperties``; a validator counts the key once. The required keys are unique, so one
       key more is certain: ``minProperties`` above the required count + 1 is refused where such
-      keys are allowed."""
+      keys are allowed.
+    - A ``oneOf`` whose branches provably exclude each other (:func:`exclude_each_other`:
+      disjoint types or values, a discriminator property) becomes ``anyOf``, the same set of
+      values; llguidance refuses any other ``oneOf`` (it cannot check "exactly one")."""
     schema = copy.deepcopy(schema)
+    # local $refs resolve against the root, unless a subschema sets a base of its own
+    relative_refs_only = json.dumps(schema).count('"$id"') == (1 if "$id" in schema else 0)
     stack: list[tuple[Any, str]] = [(schema, "")]
     while stack:
         node, where = stack.pop()
@@ -112,6 +117,10 @@ def prepare_schema(schema: Any) -> Any:
             raise UnsupportedSchema(
                 "'minProperties' more than one above the required properties is not supported: llguidance "
                 f"counts a repeated key twice, a validator once (at {where or '/'})")
+        branches = node.get("oneOf")
+        if (isinstance(branches, list) and "anyOf" not in node and relative_refs_only
+                and all(exclude_each_other(x, y, schema) for i, x in enumerate(branches) for y in branches[i + 1:])):
+            node["anyOf"] = node.pop("oneOf")  # exclusive branches: "exactly one" is "at least one"
         stack.extend((v, f"{where}/{k}") for k, v in node.items()
                      if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
     return schema

@@ -725,3 +725,54 @@ def _list_field(node: dict[str, Any], key: str) -> list[Any]:
     """``node[key]`` when it is an array, else []."""
     value = node.get(key)
     return value if isinstance(value, list) else []
+
+
+def _plain_deref(node: Any, root: Any) -> Any:
+    """Follow a ``$ref`` that stands alone (no assertion beside it) to the local schema it names;
+    anything else is returned as it is."""
+    for _ in range(32):
+        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)) or ASSERTIONS.intersection(node) != {"$ref"}:
+            return node
+        ref = node["$ref"]
+        if not ref.startswith("#/") and ref != "#":
+            return node
+        hit: Any = root
+        for p in (p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/") if ref != "#"):
+            if isinstance(hit, dict) and p in hit:
+                hit = hit[p]
+            elif isinstance(hit, list) and p.isdigit() and int(p) < len(hit):
+                hit = hit[int(p)]
+            else:
+                return node
+        node = hit
+    return node
+
+
+def exclude_each_other(a: Any, b: Any, root: Any, depth: int = 0) -> bool:
+    """True when no JSON value is valid under both ``a`` and ``b`` as a validator reads them
+    (False when it cannot tell): their types are disjoint, or their listed values are, or one is
+    an object schema and a property that one of them requires has schemas in both that exclude
+    each other (a discriminator)."""
+    a, b = _plain_deref(a, root), _plain_deref(b, root)
+    if a is False or b is False:
+        return True
+    if not isinstance(a, dict) or not isinstance(b, dict) or depth > 8:
+        return False
+    for x, y in ((a, b), (b, a)):
+        x_vals = [x["const"]] if "const" in x else x.get("enum")
+        y_vals = [y["const"]] if "const" in y else y.get("enum")
+        y_types = _types(y)
+        if isinstance(x_vals, list):
+            y_keys = {_canon(v) for v in y_vals} if isinstance(y_vals, list) else None
+            if all((y_keys is not None and _canon(v) not in y_keys)
+                   or (y_types is not None and not _overlap(_value_types(v), y_types)) for v in x_vals):
+                return True
+    a_types, b_types = _types(a), _types(b)
+    if a_types is not None and b_types is not None and not _overlap(a_types, b_types):
+        return True
+    if {"object"} in (a_types, b_types):  # a value valid under both is an object: a discriminator?
+        a_props, b_props = _dict_field(a, "properties"), _dict_field(b, "properties")
+        required = set(_list_field(a, "required")) | set(_list_field(b, "required"))  # present in such a value
+        return any(isinstance(p, str) and p in a_props and p in b_props
+                   and exclude_each_other(a_props[p], b_props[p], root, depth + 1) for p in required)
+    return False
