@@ -70,11 +70,16 @@ def finite_schema(schema: Any, max_values: int) -> dict[str, Any] | None:
         return None  # unbounded, too many, or a plain enum / const already
     import jsonschema  # lazy: only for schemas of this form
 
+    # a schema that names no draft is read as the newest and as draft 7 (which still has
+    # "dependencies"): a value is kept only if both accept it
+    drafts = ([jsonschema.validators.validator_for(schema)] if "$schema" in schema
+              else [jsonschema.Draft202012Validator, jsonschema.Draft7Validator])
     try:
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        cls.check_schema(schema)
-        validator = cls(schema)
-        kept = [v for v in values if validator.is_valid(v)]
+        validators = []
+        for cls in drafts:
+            cls.check_schema(schema)
+            validators.append(cls(schema))
+        kept = [v for v in values if all(x.is_valid(v) for x in validators)]
     except Exception:  # noqa: BLE001 - not a schema the validator can decide (say, a $ref it cannot resolve): compiled as it is
         return None
     if not kept:

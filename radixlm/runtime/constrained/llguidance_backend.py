@@ -94,7 +94,7 @@ def prepare_schema(schema: Any) -> Any:
       values; llguidance refuses any other ``oneOf`` (it cannot check "exactly one")."""
     schema = copy.deepcopy(schema)
     # local $refs resolve against the root, unless a subschema sets a base of its own
-    relative_refs_only = json.dumps(schema).count('"$id"') == (1 if "$id" in schema else 0)
+    relative_refs_only = json.dumps(schema).count('"$id"') == (1 if isinstance(schema, dict) and "$id" in schema else 0)
     stack: list[tuple[Any, str]] = [(schema, "")]
     while stack:
         node, where = stack.pop()
@@ -117,13 +117,66 @@ def prepare_schema(schema: Any) -> Any:
             raise UnsupportedSchema(
                 "'minProperties' more than one above the required properties is not supported: llguidance "
                 f"counts a repeated key twice, a validator once (at {where or '/'})")
+        _dependencies_to_any_of(node)
         branches = node.get("oneOf")
-        if (isinstance(branches, list) and "anyOf" not in node and relative_refs_only
-                and all(exclude_each_other(x, y, schema) for i, x in enumerate(branches) for y in branches[i + 1:])):
-            node["anyOf"] = node.pop("oneOf")  # exclusive branches: "exactly one" is "at least one"
+        if isinstance(branches, list) and "anyOf" not in node:
+            if relative_refs_only and all(exclude_each_other(x, y, schema)
+                                          for i, x in enumerate(branches) for y in branches[i + 1:]):
+                node["anyOf"] = node.pop("oneOf")  # exclusive branches: "exactly one" is "at least one"
+            else:
+                groups = _key_groups(node, branches)
+                if groups is not None:
+                    del node["oneOf"]
+                    node["anyOf"] = _exactly_one_group(groups)
         stack.extend((v, f"{where}/{k}") for k, v in node.items()
                      if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
     return schema
+
+
+def _dependencies_to_any_of(node: dict[str, Any]) -> None:
+    """``dependencies`` / ``dependentRequired`` / ``dependentSchemas`` (llguidance has none of
+    them) written as what they mean: for each key, it is absent (a property schema ``false``) or
+    the keys it needs are present too / the schema it brings holds; appended to ``allOf``."""
+    words = [w for w in ("dependencies", "dependentRequired", "dependentSchemas") if isinstance(node.get(w), dict)]
+    extra = []
+    for word in words:
+        for key, dep in node[word].items():
+            absent = {"properties": {key: False}}
+            if isinstance(dep, list) and all(isinstance(k, str) for k in dep) and word != "dependentSchemas":
+                extra.append({"anyOf": [absent, {"required": [key, *dep]}]})
+            elif isinstance(dep, (dict, bool)) and word != "dependentRequired":
+                extra.append({"anyOf": [absent, {"allOf": [{"required": [key]}, dep]}]})
+            else:
+                return  # malformed: left for llguidance to report
+    for word in words:
+        del node[word]
+    if extra:
+        node["allOf"] = [*node["allOf"], *extra] if isinstance(node.get("allOf"), list) else extra
+
+
+def _key_groups(node: dict[str, Any], branches: list[Any]) -> list[list[str]] | None:
+    """The key lists of an object schema's ``oneOf`` whose branches only require keys
+    (``{"required": ["radius"]}, {"required": ["length", "width"]}``), or None."""
+    if node.get("type") not in ("object", ["object"]) or len(branches) < 2:
+        return None
+    groups = []
+    for b in branches:
+        if not isinstance(b, dict) or set(b) - {"required", "title", "description"}:
+            return None
+        keys = b.get("required")
+        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+            return None
+        groups.append(list(dict.fromkeys(keys)))
+    return groups
+
+
+def _exactly_one_group(groups: list[list[str]]) -> list[dict[str, Any]]:
+    """``anyOf`` branches, one per group: its keys all present, and of every other group at least
+    one key absent (a property schema ``false``), which is what ``oneOf`` of the groups' required
+    lists means, written without ``not``."""
+    return [{"required": keys, "allOf": [{"anyOf": [{"properties": {k: False}} for k in other]}
+                                         for j, other in enumerate(groups) if j != i]}
+            for i, keys in enumerate(groups)]
 
 
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
@@ -138,7 +191,7 @@ def close_objects(schema: Any) -> Any:
     keys it names, and those it requires (a validator would allow any others). Left open:
     objects that name no properties (a free-form map), a schema beside a ``$ref`` or a combiner
     (``allOf``, ``anyOf``, ``if``...), the parts of an ``allOf``, and the branches of an
-    ``anyOf``/``oneOf`` beside properties: there other parts name keys too."""
+    ``anyOf``/``oneOf`` beside properties or inside such a part: there other parts name keys too."""
     stack: list[tuple[Any, bool]] = [(schema, False)]
     while stack:
         node, shared = stack.pop()  # shared: another schema names keys of the same object
@@ -161,7 +214,9 @@ def close_objects(schema: Any) -> Any:
             if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: a name is no keyword
                 stack.extend((v, False) for v in value.values())
             else:
-                stack.append((value, key == "allOf" or (key in ("anyOf", "oneOf") and names_keys)))
+                # the parts of an allOf, and the branches of an anyOf/oneOf beside keys named here or
+                # in a schema this one shares its object with, describe the same object
+                stack.append((value, key == "allOf" or (key in ("anyOf", "oneOf") and (names_keys or shared))))
     return schema
 
 

@@ -59,3 +59,11 @@ def test_backends_enforce_a_finite_schema_exactly(name, vocab, smol_tokenizer):
         assert (refused is None) == ok, (name, text)
     with pytest.raises(ValueError, match="cannot compile json_schema: .*accepts nothing"):
         backend.compile("json_schema", json.dumps({"allOf": [{"const": "a"}, {"not": {"const": "a"}}]}))
+
+
+def test_a_schema_without_a_draft_keeps_what_draft_7_and_the_newest_both_accept():
+    """"dependencies" is draft 7's (2020-12 ignores it): with no $schema, both readings must hold."""
+    schema = {"enum": [{"a": 1}, {"a": 1, "b": 2}], "dependencies": {"a": ["b"]}}
+    assert finite_schema(schema, 4096) == {"enum": [{"a": 1, "b": 2}]}
+    newest = {**schema, "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    assert finite_schema(newest, 4096) == {"enum": [{"a": 1}, {"a": 1, "b": 2}]}
