@@ -32,6 +32,45 @@ def _intersect(a: list[Any] | None, b: list[Any] | None) -> list[Any] | None:
     return [v for v in a if _key(v) in keys]
 
 
+def _texts(node: Any) -> list[str]:
+    """The strings of a JSON value, object keys included."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, str):
+            out.append(n)
+        elif isinstance(n, dict):
+            out.extend(n)
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return out
+
+
+def _risky_pattern(schema: Any, values: list[Any]) -> bool:
+    """Whether the validator could take too long on a regex of ``schema`` (a ``pattern``, a
+    ``patternProperties`` key) against the listed values: it runs them in Python's backtracking
+    engine, where ``^(a+)+$`` takes exponential time. A regex with no quantifier (``*+?{``)
+    costs at most its length times the text's, squared; one with a single quantifier a power of
+    the text's length more, so texts stay under 1,024 characters; more quantifiers are risky."""
+    regexes: list[Any] = []
+    stack = [schema]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if "pattern" in n:
+                regexes.append(n["pattern"])
+            if isinstance(n.get("patternProperties"), dict):
+                regexes += list(n["patternProperties"])
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    if any(not isinstance(r, str) for r in regexes):
+        return True
+    most = max((sum(r.count(c) for c in "*+?{") for r in regexes), default=0)
+    return most > 1 or (most == 1 and max(map(len, _texts(values)), default=0) > 1024)
+
+
 def listed_values(schema: Any) -> list[Any] | None:
     """Every value ``schema`` can accept, when parts of it list them all (a superset: the whole
     schema may refuse some); None when nothing bounds it to a list."""
@@ -68,6 +107,8 @@ def finite_schema(schema: Any, max_values: int) -> dict[str, Any] | None:
     values = listed_values(schema)
     if values is None or len(values) > max_values or not isinstance(schema, dict) or set(schema) in ({"enum"}, {"const"}):
         return None  # unbounded, too many, or a plain enum / const already
+    if _risky_pattern(schema, values):
+        return None  # the validator's regex engine backtracks: a hostile pattern would never end
     import jsonschema  # lazy: only for schemas of this form
 
     # a schema that names no draft is read as the newest and as draft 7 (which still has

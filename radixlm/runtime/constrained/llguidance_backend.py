@@ -95,6 +95,7 @@ def prepare_schema(schema: Any) -> Any:
     schema = copy.deepcopy(schema)
     # local $refs resolve against the root, unless a subschema sets a base of its own
     relative_refs_only = json.dumps(schema).count('"$id"') == (1 if isinstance(schema, dict) and "$id" in schema else 0)
+    budget = [10_000]  # comparisons of oneOf branches for the whole schema
     stack: list[tuple[Any, str]] = [(schema, "")]
     while stack:
         node, where = stack.pop()
@@ -119,8 +120,8 @@ def prepare_schema(schema: Any) -> Any:
                 f"counts a repeated key twice, a validator once (at {where or '/'})")
         _dependencies_to_any_of(node)
         branches = node.get("oneOf")
-        if isinstance(branches, list) and "anyOf" not in node:
-            if relative_refs_only and all(exclude_each_other(x, y, schema)
+        if isinstance(branches, list) and "anyOf" not in node and len(branches) <= _MAX_ONE_OF:
+            if relative_refs_only and all(exclude_each_other(x, y, schema, budget)
                                           for i, x in enumerate(branches) for y in branches[i + 1:]):
                 node["anyOf"] = node.pop("oneOf")  # exclusive branches: "exactly one" is "at least one"
             else:
@@ -131,6 +132,10 @@ def prepare_schema(schema: Any) -> Any:
         stack.extend((v, f"{where}/{k}") for k, v in node.items()
                      if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
     return schema
+
+
+# oneOf branches compared pairwise, or written out pairwise: more are left to llguidance to refuse
+_MAX_ONE_OF = 32
 
 
 def _dependencies_to_any_of(node: dict[str, Any]) -> None:

@@ -748,15 +748,18 @@ def _plain_deref(node: Any, root: Any) -> Any:
     return node
 
 
-def exclude_each_other(a: Any, b: Any, root: Any, depth: int = 0) -> bool:
+def exclude_each_other(a: Any, b: Any, root: Any, budget: list[int] | None = None) -> bool:
     """True when no JSON value is valid under both ``a`` and ``b`` as a validator reads them
     (False when it cannot tell): their types are disjoint, or their listed values are, or one is
     an object schema and a property that one of them requires has schemas in both that exclude
-    each other (a discriminator)."""
+    each other (a discriminator). ``budget``: comparisons left, shared by the calls of one
+    schema (a hostile one could ask for exponentially many); none left counts as "cannot tell"."""
+    budget = [10_000] if budget is None else budget
+    budget[0] -= 1
     a, b = _plain_deref(a, root), _plain_deref(b, root)
     if a is False or b is False:
         return True
-    if not isinstance(a, dict) or not isinstance(b, dict) or depth > 8:
+    if not isinstance(a, dict) or not isinstance(b, dict) or budget[0] < 0:
         return False
     for x, y in ((a, b), (b, a)):
         x_vals = [x["const"]] if "const" in x else x.get("enum")
@@ -774,5 +777,5 @@ def exclude_each_other(a: Any, b: Any, root: Any, depth: int = 0) -> bool:
         a_props, b_props = _dict_field(a, "properties"), _dict_field(b, "properties")
         required = set(_list_field(a, "required")) | set(_list_field(b, "required"))  # present in such a value
         return any(isinstance(p, str) and p in a_props and p in b_props
-                   and exclude_each_other(a_props[p], b_props[p], root, depth + 1) for p in required)
+                   and exclude_each_other(a_props[p], b_props[p], root, budget) for p in required)
     return False

@@ -67,3 +67,19 @@ def test_a_schema_without_a_draft_keeps_what_draft_7_and_the_newest_both_accept(
     assert finite_schema(schema, 4096) == {"enum": [{"a": 1, "b": 2}]}
     newest = {**schema, "$schema": "https://json-schema.org/draft/2020-12/schema"}
     assert finite_schema(newest, 4096) == {"enum": [{"a": 1}, {"a": 1, "b": 2}]}
+
+
+def test_a_schema_with_a_pattern_is_left_to_the_grammar_engine():
+    """The validator would run ^(a+)+$ in Python's backtracking regex engine on "aaaa...!":
+    exponential time in a compile thread. Such schemas are compiled as they are (the grammar
+    engines' regexes run in linear time)."""
+    hostile = {"enum": ["a" * 40 + "!", "b"], "pattern": "^(a+)+$"}
+    assert finite_schema(hostile, 4096) is None
+    keys = {"allOf": [{"enum": [{"ab": 1}, {"b": 1}]}, {"patternProperties": {"^a{1,}b+": {"type": "string"}}}]}
+    assert finite_schema(keys, 4096) is None
+    long_text = {"enum": ["a" * 2000 + "!"], "pattern": "a*b"}  # one quantifier, a long text: quadratic
+    assert finite_schema(long_text, 4096) is None
+    # no quantifier, or one against short texts: bounded time, decided
+    plain = {"allOf": [{"enum": [{"ab": 1}, {"b": 1}]}, {"patternProperties": {"^ab|^c": {"type": "string"}}}]}
+    assert finite_schema(plain, 4096) == {"enum": [{"b": 1}]}
+    assert finite_schema({"enum": ["aab", "ba"], "pattern": "^a+b"}, 4096) == {"enum": ["aab"]}

@@ -112,3 +112,23 @@ def test_a_oneof_of_key_groups_needs_an_object_schema():
     fail the oneOf; the rewrite would let it through, so it is not made."""
     loose = {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
     assert prepare_schema(loose) == loose
+
+
+def test_a_oneof_of_many_branches_is_left_as_it_is():
+    """Branches are compared pairwise (and key groups written out pairwise): past 32 a hostile
+    schema would cost quadratic time and size, so llguidance refuses it as before."""
+    many = {"oneOf": [{"const": i} for i in range(33)]}
+    assert prepare_schema(many) == many
+    few = {"oneOf": [{"const": i} for i in range(32)]}
+    assert "anyOf" in prepare_schema(few)
+
+
+def test_a_hostile_discriminator_chain_is_cut_short():
+    """Branches whose required properties all point back at the root: proving exclusion would
+    recurse through every property at every level; a budget shared by the schema's comparisons
+    ends it (counted as overlapping), so the compile stays quick."""
+    props = {f"p{i}": {"$ref": "#"} for i in range(40)}
+    node = {"type": "object", "properties": props, "required": list(props)}
+    hostile = {"oneOf": [node, dict(node)]}  # without the budget, 40 ** depth comparisons: it would not return
+    assert exclude_each_other(node, dict(node), hostile) is False
+    assert prepare_schema(hostile)["oneOf"]
