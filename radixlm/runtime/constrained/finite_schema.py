@@ -10,17 +10,13 @@ test suite's corner cases (JSONSchemaBench's Synthesized file) are mostly of thi
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from radixlm.runtime.constrained.schema_check import canonical_json as _key
 
 __all__ = ["finite_schema", "listed_values"]
 
 _BRANCHES = ("anyOf", "oneOf")
-
-
-def _key(value: Any) -> str:
-    """Identity of a JSON value (true and 1 differ; object key order does not)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def _intersect(a: list[Any] | None, b: list[Any] | None) -> list[Any] | None:

@@ -118,8 +118,9 @@ def _value_types(v: Any) -> set[str]:
     return {"array"} if isinstance(v, list) else {"object"}
 
 
-def _canon(v: Any) -> str:
-    """A key under which two JSON values are equal iff the validator calls them equal."""
+def canonical_json(v: Any) -> str:
+    """A key under which two JSON values are equal iff the validator calls them equal (1 and 1.0
+    are; true and 1 are not; object key order does not count)."""
     def norm(x: Any) -> Any:
         if isinstance(x, bool) or x is None or isinstance(x, str):
             return x
@@ -254,8 +255,8 @@ def _merge(a: Any, b: Any, deref: Any) -> Any:
         elif key == "required":
             out[key] = list(dict.fromkeys([*av, *bv]))
         elif key in ("enum", "const"):
-            keys = {_canon(v) for v in (bv if key == "enum" else [bv])}
-            kept = [v for v in (av if key == "enum" else [av]) if _canon(v) in keys]
+            keys = {canonical_json(v) for v in (bv if key == "enum" else [bv])}
+            kept = [v for v in (av if key == "enum" else [av]) if canonical_json(v) in keys]
             if not kept:
                 return False
             out[key] = kept if key == "enum" else kept[0]
@@ -273,7 +274,7 @@ def _merge(a: Any, b: Any, deref: Any) -> Any:
         else:
             raise _Unmergeable(f"both give {key!r}")
     if "enum" in out and "const" in out:
-        if _canon(out["const"]) not in {_canon(v) for v in out["enum"]}:
+        if canonical_json(out["const"]) not in {canonical_json(v) for v in out["enum"]}:
             return False
         del out["enum"]
     # additionalProperties / items are relative to their side's properties / prefixItems
@@ -507,7 +508,7 @@ class _Checker:
         if "const" in node:
             values = [node["const"]]
             if "enum" in node and isinstance(node["enum"], list):
-                if _canon(node["const"]) not in {_canon(v) for v in node["enum"]}:
+                if canonical_json(node["const"]) not in {canonical_json(v) for v in node["enum"]}:
                     raise self.unsat(path, "'const' is not one of the 'enum' values")
                 del node["enum"]
         elif isinstance(node["enum"], list):
@@ -687,8 +688,8 @@ class _Checker:
         o_vals = [other["const"]] if "const" in other else other.get("enum")
         o_types = _types(other)
         if isinstance(g_vals, list):
-            o_keys = {_canon(v) for v in o_vals} if isinstance(o_vals, list) else None
-            return all((o_keys is not None and _canon(v) not in o_keys)
+            o_keys = {canonical_json(v) for v in o_vals} if isinstance(o_vals, list) else None
+            return all((o_keys is not None and canonical_json(v) not in o_keys)
                        or (o_types is not None and not _overlap(_value_types(v), o_types)) for v in g_vals)
         g_types = self.gen_types(gen)
         if g_types is None:
@@ -766,8 +767,8 @@ def exclude_each_other(a: Any, b: Any, root: Any, budget: list[int] | None = Non
         y_vals = [y["const"]] if "const" in y else y.get("enum")
         y_types = _types(y)
         if isinstance(x_vals, list):
-            y_keys = {_canon(v) for v in y_vals} if isinstance(y_vals, list) else None
-            if all((y_keys is not None and _canon(v) not in y_keys)
+            y_keys = {canonical_json(v) for v in y_vals} if isinstance(y_vals, list) else None
+            if all((y_keys is not None and canonical_json(v) not in y_keys)
                    or (y_types is not None and not _overlap(_value_types(v), y_types)) for v in x_vals):
                 return True
     a_types, b_types = _types(a), _types(b)

@@ -27,6 +27,7 @@ def test_listed_values_bound_a_schema_or_not():
     assert listed_values({"anyOf": [{"const": 1}, {"enum": [2, 3]}]}) == [1, 2, 3]
     assert listed_values({"oneOf": [{"const": 1}, {"type": "string"}]}) is None  # one branch unbounded
     assert listed_values({"allOf": [False]}) == []
+    assert listed_values({"allOf": [{"const": 1}, {"enum": [1.0, 2]}]}) == [1]  # 1 and 1.0 are one value
 
 
 def test_the_values_the_whole_schema_accepts_become_the_enum():
@@ -35,6 +36,7 @@ def test_the_values_the_whole_schema_accepts_become_the_enum():
     assert finite_schema({"oneOf": [{"enum": [1, 2]}, {"enum": [2, 3]}]}, 4096) == {"enum": [1, 3]}
     assert finite_schema({"if": {"const": 1}, "then": {"type": "string"}, "enum": [1, 2]}, 4096) == {"enum": [2]}
     assert finite_schema({"enum": ["a", "b"]}, 4096) is None  # already a plain enum
+    assert finite_schema({"allOf": [{"const": 1}, {"enum": [1.0, 2]}], "type": "integer"}, 4096) == {"enum": [1]}
     assert finite_schema({"type": "object"}, 4096) is None
     assert finite_schema({"enum": list(range(10)), "minimum": 5}, 4) is None  # more listed than the limit
 
