@@ -119,6 +119,7 @@ def prepare_schema(schema: Any) -> Any:
                 "'minProperties' more than one above the required properties is not supported: llguidance "
                 f"counts a repeated key twice, a validator once (at {where or '/'})")
         _dependencies_to_any_of(node)
+        _not_to_all_of(node)
         branches = node.get("oneOf")
         if isinstance(branches, list) and "anyOf" not in node and len(branches) <= _MAX_ONE_OF:
             if relative_refs_only and all(exclude_each_other(x, y, schema, budget)
@@ -157,6 +158,36 @@ def _dependencies_to_any_of(node: dict[str, Any]) -> None:
         del node[word]
     if extra:
         node["allOf"] = [*node["allOf"], *extra] if isinstance(node.get("allOf"), list) else extra
+
+
+_JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
+_NOTES = frozenset({"title", "description", "$comment"})
+
+
+def _not_to_all_of(node: dict[str, Any]) -> None:
+    """Two forms of ``not`` (llguidance has none) written as what they mean, in ``allOf``:
+    ``{"not": {"required": [keys]}}`` is an object without one of the keys at least (a property
+    schema ``false``; a value that is no object passes ``required``, so fails the ``not``);
+    ``{"not": {"type": T}}`` is every other type (not for ``integer`` alone: a number that is not
+    whole has no type of its own)."""
+    neg = node.get("not")
+    if not isinstance(neg, dict) or len(set(neg) - _NOTES) != 1:
+        return
+    if isinstance(neg.get("required"), list) and neg["required"] and all(isinstance(k, str) for k in neg["required"]):
+        part: dict[str, Any] = {"type": "object", "anyOf": [{"properties": {k: False}} for k in neg["required"]]}
+    elif "type" in neg:
+        types = [neg["type"]] if isinstance(neg["type"], str) else neg["type"]
+        if not isinstance(types, list) or not all(t in (*_JSON_TYPES, "integer") for t in types):
+            return
+        if "integer" in types and "number" not in types:
+            return
+        part = {"type": [t for t in _JSON_TYPES if t not in types]}
+        if not part["type"]:
+            return  # not any type: nothing passes; llguidance reports the schema as it is
+    else:
+        return
+    del node["not"]
+    node["allOf"] = [*node["allOf"], part] if isinstance(node.get("allOf"), list) else [part]
 
 
 def _key_groups(node: dict[str, Any], branches: list[Any]) -> list[list[str]] | None:

@@ -132,3 +132,27 @@ def test_a_hostile_discriminator_chain_is_cut_short():
     hostile = {"oneOf": [node, dict(node)]}  # without the budget, 40 ** depth comparisons: it would not return
     assert exclude_each_other(node, dict(node), hostile) is False
     assert prepare_schema(hostile)["oneOf"]
+
+
+@pytest.mark.parametrize(("schema", "texts"), [
+    ({"type": "object", "properties": {"ios": {"type": "string"}, "web": {"type": "string"}},
+      "not": {"required": ["ios", "web"]}},
+     [('{"ios":"a"}', True), ("{}", True), ('{"ios":"a","web":"b"}', False)]),
+    ({"not": {"required": ["a"]}}, [('"text"', False), ("{}", True), ('{"a":1}', False), ("3", False)]),
+    ({"not": {"type": "number"}}, [('"x"', True), ("3", False), ("2.5", False), ("null", True)]),
+    ({"not": {"type": ["object", "string"]}}, [("[]", True), ('"x"', False), ("{}", False), ("true", True)]),
+])
+def test_not_required_and_not_type_compile_exactly(schema, texts, vocab, smol_tokenizer):
+    for text, ok in texts:  # the expectations are the validator's
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) is ok, text
+    assert "not" not in prepare_schema(schema)
+    backend = GRAMMAR_BACKENDS["llguidance"](vocab, GrammarConfig(cache_size=8, json_strict=False))
+    grammar = backend.compile("json_schema", json.dumps(schema))
+    for text, ok in texts:
+        refused = _feed(grammar.new_matcher(), _ids(smol_tokenizer, text) + [vocab.stop_ids[0]])
+        assert (refused is None) == ok, text
+
+
+def test_other_nots_are_left_to_llguidance():
+    for neg in ({"type": "integer"}, {"enum": ["a"]}, {"required": ["a"], "type": "object"}):
+        assert prepare_schema({"not": neg})["not"] == neg
