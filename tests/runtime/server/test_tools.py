@@ -224,7 +224,7 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]}}}],
+        "type": "object", "properties": {"a": {"not": {"enum": ["a"]}}}, "required": ["a"]}}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)a"}}}}}]},
