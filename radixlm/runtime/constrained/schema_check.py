@@ -361,16 +361,8 @@ class _Checker:
         """The node a local ``$ref`` points at, or None for a ref xgrammar resolves itself."""
         if not isinstance(ref, str) or not ref.startswith("#"):
             return None
-        node: Any = root
-        parts = [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/")[1:]]
-        for p in parts:
-            if isinstance(node, dict) and p in node:
-                node = node[p]
-            elif isinstance(node, list) and p.isdigit() and int(p) < len(node):
-                node = node[int(p)]
-            else:
-                return None
-        return node, ref[1:]
+        hit = _follow_pointer(ref, root)
+        return None if hit is None else (hit[0], ref[1:])
 
     def deref(self, node: Any, root: Any, strict: bool = False) -> Any:
         """Follow ``$ref`` chains to the schema they name; ``strict``: only a ``$ref`` with no
@@ -728,6 +720,20 @@ def _list_field(node: dict[str, Any], key: str) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
+def _follow_pointer(ref: str, root: Any) -> tuple[Any] | None:
+    """The node the JSON pointer after ``#`` in ``ref`` names in ``root`` (in a 1-tuple: the node
+    may be anything), or None when it names nothing."""
+    node: Any = root
+    for p in (p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/")[1:]):
+        if isinstance(node, dict) and p in node:
+            node = node[p]
+        elif isinstance(node, list) and p.isdigit() and int(p) < len(node):
+            node = node[int(p)]
+        else:
+            return None
+    return (node,)
+
+
 def _plain_deref(node: Any, root: Any) -> Any:
     """Follow a ``$ref`` that stands alone (no assertion beside it) to the local schema it names;
     anything else is returned as it is."""
@@ -735,17 +741,10 @@ def _plain_deref(node: Any, root: Any) -> Any:
         if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)) or ASSERTIONS.intersection(node) != {"$ref"}:
             return node
         ref = node["$ref"]
-        if not ref.startswith("#/") and ref != "#":
+        hit = _follow_pointer(ref, root) if ref.startswith("#/") or ref == "#" else None
+        if hit is None:
             return node
-        hit: Any = root
-        for p in (p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/") if ref != "#"):
-            if isinstance(hit, dict) and p in hit:
-                hit = hit[p]
-            elif isinstance(hit, list) and p.isdigit() and int(p) < len(hit):
-                hit = hit[int(p)]
-            else:
-                return node
-        node = hit
+        node = hit[0]
     return node
 
 
