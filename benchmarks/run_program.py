@@ -51,8 +51,20 @@ TOKENS = 6
 FIXED = {"max_tokens": TOKENS, "ignore_eos": True}
 
 
+def document(i: int, words: int) -> str:
+    """Program i's own opening document of ``words`` words (none when 0): a long prefix that its
+    gens, and a fork's branches, share, and that other programs do not."""
+    if words <= 0:
+        return ""
+    rng = random.Random(i)
+    vocab = ("field", "river", "stone", "market", "winter", "garden", "letter", "bridge", "lamp", "harbor",
+             "orchard", "signal", "ledger", "meadow", "engine", "canvas")
+    return f"Document {i}: " + " ".join(rng.choice(vocab) for _ in range(words)) + ".\n"
+
+
 @rl.function
-def chain(s, i: int):
+def chain(s, i: int, doc: int = 0):
+    s += document(i, doc)
     s += f"Story {i}. Write one short sentence per line.\n"
     for k in range(10):
         s += f"Line {k + 1}:" + rl.gen(f"line{k}", **FIXED) + "\n"
@@ -70,13 +82,15 @@ def _expand(s, depth: int, width: int) -> None:
 
 
 @rl.function
-def tree_of_thought(s, i: int):
+def tree_of_thought(s, i: int, doc: int = 0):
+    s += document(i, doc)
     s += f"Problem {i}: a farmer has {i + 2} fields with 4 rows each. How many rows?"
     _expand(s, 3, 3)
 
 
 @rl.function
-def json_fields(s, i: int):
+def json_fields(s, i: int, doc: int = 0):
+    s += document(i, doc)
     s += rl.user(f"Contact {i}: Ana Lima, 3{i} years old, lives in Porto, email ana{i}@example.com. "
                  "Give the fields as JSON.")
     with s.assistant():
@@ -178,7 +192,7 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
     """p50/p99 program latency of --programs programs, program scheduling on vs off: two servers
     side by side, sent the same graphs on the same schedule (so load from elsewhere hits both alike)."""
     funcs = list(WORKLOADS.values())
-    graphs = [funcs[i % 3].trace(i).to_json() for i in range(args.programs)]
+    graphs = [funcs[i % 3].trace(i, args.doc_words).to_json() for i in range(args.programs)]
     sends = arrival_times(args.programs, args.arrival_rate, args.seed)
     runs: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
     for _ in range(args.rounds):
@@ -204,7 +218,7 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
     best = {mode: {k: min(r[k] for r in rows) for k in rows[0]} for mode, rows in runs.items()}
     ratio = {k: best["off"][k] / best["on"][k] for k in best["on"]}
     print("off / on (best of rounds): " + "  ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
-    return {"arrival_rate": args.arrival_rate, "seed": args.seed, "last_send": sends[-1],
+    return {"arrival_rate": args.arrival_rate, "seed": args.seed, "doc_words": args.doc_words, "last_send": sends[-1],
             "runs": runs, "best": best, "off_over_on": ratio}
 
 
@@ -226,6 +240,9 @@ def main() -> None:
     ap.add_argument("--arrival-rate", type=float, default=0.0,
                     help="--scheduling: programs per second, Poisson arrivals (0: all sent at once)")
     ap.add_argument("--seed", type=int, default=0, help="--scheduling: the arrival times' random seed")
+    ap.add_argument("--doc-words", type=int, default=0,
+                    help="--scheduling: each program opens with a document of its own of this many words (KV "
+                         "pressure with a small --max-total-tokens in --server-args)")
     args = ap.parse_args()
     if args.arrival_rate < 0:
         ap.error(f"--arrival-rate must be >= 0 (0: all at once), got {args.arrival_rate}")
