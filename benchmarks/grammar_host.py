@@ -8,7 +8,8 @@ ends its record starts the next one. Reported per step and per row: accept (one 
 and llguidance's parallel `consume_token_par` in one call), the completeness checks, the mask
 fill at several sizes of llguidance's thread pool, and the fill beside 1 ms of Python on the main
 thread (the host making a step's text): after it, or in a thread meanwhile, at two GIL switch
-intervals.
+intervals; and the inverse, a fixed 1 ms of Python work in a thread while the step's thread fills
+(the fill releases the GIL, so the thread waiting for it can run meanwhile).
 
     python benchmarks/grammar_host.py [--tokenizer DIR] [--batches 16,64] [--steps 200]
         [--threads 0,1,2,4,8] [--out benchmarks/results/grammar_host.json]
@@ -92,6 +93,21 @@ class Batch:
         return [m for m, _, _ in self.rows]
 
 
+def python_work(rounds: int) -> None:
+    """A fixed amount of small Python calls, GIL held between them (the host making text)."""
+    d: dict[int, str] = {}
+    for _ in range(rounds):
+        for i in range(50):
+            d[i] = str(i) + "x"
+
+
+def rounds_for(seconds: float) -> int:
+    """How many python_work rounds take ``seconds`` on this thread alone."""
+    t0 = time.perf_counter()
+    python_work(500)
+    return max(1, int(500 * seconds / (time.perf_counter() - t0)))
+
+
 def busy_python(seconds: float) -> None:
     """Stand-in for the host making a step's text: small Python calls, GIL held between them."""
     end = time.perf_counter() + seconds
@@ -134,10 +150,23 @@ def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, t
             done.set()
 
     threading.Thread(target=filler, daemon=True).start()
+    rounds = rounds_for(0.001)
+    text_go, text_done = threading.Event(), threading.Event()
+
+    def text_maker() -> None:  # the inverse: the text in a thread while the step loop fills
+        while True:
+            text_go.wait()
+            text_go.clear()
+            python_work(rounds)
+            text_done.set()
+
+    threading.Thread(target=text_maker, daemon=True).start()
     batch = Batch(grammars, recs, size)
     fills = [f"fill, pool {n or 'default'}" for n in threads]
     fills += [f"1 ms Python {how} (switch {switch * 1e3:g} ms)"
               for switch in (0.005, 0.0001) for how in ("then the fill", "with the fill in a thread")]
+    fills += [f"1 ms of Python work {how} (switch {switch * 1e3:g} ms)" for switch in (0.005, 0.0002)
+              for how in ("then the fill", "in a thread, the fill on the step's thread")]
     for step in range(steps):
         ms = batch.matchers
         toks = batch.next_tokens()
@@ -159,6 +188,19 @@ def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, t
             for m in ms:
                 m._executor = ex
             timed(name, fill_masks, ms, bitmask, rows)
+        elif name.startswith("1 ms of Python work"):
+            sys.setswitchinterval(0.005 if "switch 5 ms" in name else 0.0002)
+            t0 = time.perf_counter()
+            if "in a thread" in name:
+                text_go.set()
+                fill_masks(ms, bitmask, rows)
+                text_done.wait()
+                text_done.clear()
+            else:
+                python_work(rounds)
+                fill_masks(ms, bitmask, rows)
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+            sys.setswitchinterval(0.005)
         else:
             sys.setswitchinterval(0.005 if "switch 5 ms" in name else 0.0001)
             t0 = time.perf_counter()
