@@ -121,13 +121,8 @@ def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, t
         lexers: int) -> dict[str, Any]:
     import llguidance
 
-    from radixlm.runtime.constrained.grammar import normalize_spec
-
     # K compiles of the schema, each with a lexer of its own (0: one per row)
-    _, norm = normalize_spec("json_schema", json.dumps(SCHEMA))
-    backend: Any = service.backend
-    grammars = [backend._compile_uncached("json_schema", backend._enforceable_schema(norm))
-                for _ in range(lexers or size)]
+    grammars = [_compile(service) for _ in range(lexers or size)]
     executors = {n: llguidance.LLExecutor(n) if n else llguidance.LLExecutor() for n in threads}
     bitmask = allocate_bitmask(size, service.vocab.vocab_size)
     rows = list(range(size))
@@ -220,6 +215,120 @@ def run(service: GrammarService, recs: list[list[int]], size: int, steps: int, t
                    "median_us_per_row": statistics.median(v) * 1e6 / size} for name, v in times.items()}
 
 
+def _grammar_process(tokenizer_dir: str, size: int, names: tuple[str, str], conn: Any) -> None:
+    """A process that owns the batch's matchers: each step it takes the rows' tokens from shared
+    memory, accepts them, asks each grammar whether it is complete and fills the next masks into
+    shared memory, then answers with its own time for that work."""
+    from multiprocessing import shared_memory
+
+    import numpy as np
+    import torch
+
+    from radixlm.runtime.constrained.bitmask import bitmask_width
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    service = GrammarService(tokenizer, len(tokenizer), [tokenizer.eos_token_id],
+                             ConstraintConfig(grammar_backend="llguidance"))
+    grammar = _compile(service)
+    batch = Batch([grammar], records(tokenizer, 20), size)
+    tok_mem, mask_mem = (shared_memory.SharedMemory(name=n) for n in names)
+    tokens = np.ndarray((size,), np.int32, buffer=tok_mem.buf)
+    width = bitmask_width(service.vocab.vocab_size)
+    bitmask = torch.frombuffer(mask_mem.buf, dtype=torch.int32, count=size * width).view(size, width)
+    rows = list(range(size))
+    conn.send("ready")
+    while conn.recv():
+        t0 = time.perf_counter()
+        ms = batch.matchers
+        for m, t in zip(ms, tokens.tolist()):
+            m.accept(t)
+        complete = sum(m.is_completed() for m in ms)
+        fill_masks(ms, bitmask, rows)
+        conn.send((time.perf_counter() - t0, complete))
+        batch.advance()
+    del tokens, bitmask
+    tok_mem.close()
+    mask_mem.close()
+    service.shutdown()
+
+
+def _compile(service: GrammarService) -> Any:
+    from radixlm.runtime.constrained.grammar import normalize_spec
+
+    _, norm = normalize_spec("json_schema", json.dumps(SCHEMA))
+    backend: Any = service.backend
+    return backend._compile_uncached("json_schema", backend._enforceable_schema(norm))
+
+
+def process_run(service: GrammarService, tokenizer_dir: str, recs: list[list[int]], size: int,
+                steps: int) -> dict[str, Any]:
+    """A step's grammar work (accept, completeness checks, the mask fill) beside 1 ms of Python
+    work (the host making text): all on the step's thread, or the grammar in a process of its own
+    that owns the matchers, sent the tokens and answering through shared memory and a pipe."""
+    import multiprocessing
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    from radixlm.runtime.constrained.bitmask import bitmask_width
+
+    width = bitmask_width(service.vocab.vocab_size)
+    rounds = rounds_for(0.001)
+    grammar = _compile(service)
+    local = Batch([grammar], recs, size)  # the step's own matchers (the serial way)
+    bitmask = allocate_bitmask(size, service.vocab.vocab_size)
+    rows = list(range(size))
+    times: dict[str, list[float]] = {"grammar on the step's thread, then 1 ms of Python work": [],
+                                     "grammar process while the step's thread does 1 ms of Python work": [],
+                                     "the grammar process's own work": [], "1 ms of Python work alone": []}
+    for _ in range(steps):
+        ms = local.matchers
+        t0 = time.perf_counter()
+        for m, t in zip(ms, local.next_tokens()):
+            m.accept(t)
+        sum(m.is_completed() for m in ms)
+        fill_masks(ms, bitmask, rows)
+        python_work(rounds)
+        times["grammar on the step's thread, then 1 ms of Python work"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        python_work(rounds)
+        times["1 ms of Python work alone"].append(time.perf_counter() - t0)
+        local.advance()
+    tok_mem = shared_memory.SharedMemory(create=True, size=4 * size)
+    mask_mem = shared_memory.SharedMemory(create=True, size=4 * size * width)
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_grammar_process, args=(tokenizer_dir, size, (tok_mem.name, mask_mem.name),
+                                                      child_conn), daemon=True)
+    proc.start()
+    try:
+        assert conn.recv() == "ready"
+        tokens = np.ndarray((size,), np.int32, buffer=tok_mem.buf)
+        shared = Batch([grammar], recs, size)  # the same rows as the process's: a source of tokens only
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            tokens[:] = shared.next_tokens()
+            conn.send(True)
+            python_work(rounds)
+            own, _ = conn.recv()
+            times["grammar process while the step's thread does 1 ms of Python work"].append(
+                time.perf_counter() - t0)
+            times["the grammar process's own work"].append(own)
+            shared.advance()
+        conn.send(False)
+        proc.join(30)
+        del tokens
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        tok_mem.close()
+        tok_mem.unlink()
+        mask_mem.close()
+        mask_mem.unlink()
+    return {name: {"median_us_per_step": statistics.median(v) * 1e6,
+                   "median_us_per_row": statistics.median(v) * 1e6 / size} for name, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=None)
@@ -228,9 +337,12 @@ def main() -> None:
     ap.add_argument("--threads", default="0,1,2,4,8", help="llguidance pool sizes (0: its default)")
     ap.add_argument("--lexers", type=int, default=1,
                     help="compiles of the schema, rows in blocks on them (0: one per row, no lexer shared)")
+    ap.add_argument("--process", action="store_true",
+                    help="instead: the grammar's work in a process of its own beside the step's Python")
     ap.add_argument("--out", default="benchmarks/results/grammar_host.json")
     args = ap.parse_args()
-    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_dir())
+    tokenizer_dir = args.tokenizer or default_tokenizer_dir()
+    tokenizer = load_tokenizer(tokenizer_dir)
     stop_ids = [tokenizer.eos_token_id]
     service = GrammarService(tokenizer, len(tokenizer), stop_ids, ConstraintConfig(grammar_backend="llguidance"))
     recs = records(tokenizer, 20)
@@ -239,11 +351,13 @@ def main() -> None:
                               "lexers": args.lexers,
                               "python": sys.version.split()[0], "batches": {}}
     for size in (int(b) for b in args.batches.split(",")):
-        got = run(service, recs, size, args.steps, threads, args.lexers)
+        got = (process_run(service, tokenizer_dir, recs, size, args.steps) if args.process
+               else run(service, recs, size, args.steps, threads, args.lexers))
         result["batches"][size] = got
-        print(f"\nbatch {size}, {args.lexers or size} lexers: median us a step (us a row)")
+        lexers = "one compile" if args.process else f"{args.lexers or size} lexers"
+        print(f"\nbatch {size}, {lexers}: median us a step (us a row)")
         for name, row in got.items():
-            print(f"  {name:62s} {row['median_us_per_step']:9.1f}  ({row['median_us_per_row']:6.1f})")
+            print(f"  {name:70s} {row['median_us_per_step']:9.1f}  ({row['median_us_per_row']:6.1f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     service.shutdown()
