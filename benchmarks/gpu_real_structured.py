@@ -33,7 +33,7 @@ OUT = 96
 SAME_LENGTH = 44
 MODES = ["free", "json_schema", "json_schema, jumps alone", "json_schema, every jump", "json_schema, no jump-forward",
          "json_schema, mask on reject", "free, same length",
-         "json_schema, jumps alone, fill pool 12"]
+         "json_schema, jumps alone, fill pool 12", "json_schema, jumps alone, masks on the step loop"]
 
 
 def _params(mode: str) -> dict[str, Any]:
@@ -64,12 +64,16 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
         backend._cache.clear()  # the compiled grammar hands its matchers the pool
     if mode == "json_schema, mask on reject":
         core.grammar.config = dataclasses.replace(config, mask_on_reject=True)
+    make_process = core.grammar._make_process
+    if mode == "json_schema, jumps alone, masks on the step loop":  # no mask process
+        core.grammar._make_process = None
     engine.flush_cache()
     t0 = time.perf_counter()
     try:
         outs = [engine.generate(c, params) for c in chats] if one_at_a_time else engine.generate(chats, params)
     finally:
         core.output.jump_policy, core.grammar.config = policy, config
+        core.grammar._make_process = make_process
         if executor is not None and backend._executor is not executor:
             backend._executor = executor
             backend._cache.clear()

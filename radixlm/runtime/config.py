@@ -137,6 +137,10 @@ class ConstraintConfig:
     # rows of one grammar, which contend in its shared lexer: 64 rows took 0.9-1.4 ms on one
     # thread, 1.7-1.9 ms on its default 12 (16-core Xeon; docs/structured-output.md).
     grammar_fill_threads: int = 1
+    # With the overlap schedule, a process of its own fills the masks of the step queued ahead
+    # while the step loop makes the previous step's text (constrained/mask_process.py). None: on
+    # CUDA (a bs64 step of a small model spends ~1 ms filling masks on the host); off elsewhere.
+    grammar_process: bool | None = None
     grammar_compile_workers: int = 2
     grammar_cache_size: int = 1024
     # A compile past this many seconds fails its request (400); the spec is remembered as failed.
