@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Structured output with the default model's real weights on a lent GPU (docs/benchmarks.md,
-# "Structured output on the GPU with real weights"). The GGUF (94 MiB) is over one call's 64 MiB,
-# so it travels in three parts (.gpu_assets/p1 p2 p3: `head -c`/`tail -c` of the file), each call
-# right after the last on the same warm machine: `... keep p1` (carry .gpu_assets/p1), `... keep p2`
-# (carry .gpu_assets/p2), then `... run [tests]` (carry .gpu_assets/p3, .gpu_assets/tokenizer and
-# .whl: one call carries 64 MiB at most, the tracked files included).
+# "Structured output on the GPU with real weights"). The GGUF (94 MiB) is over one call's 64 MiB
+# (the tracked files, ~26 MiB, included), so it travels in 20 MB parts (`split -b 20000000 -d -a 1
+# GGUF .gpu_assets/parts/part`: part0 .. part4), each call right after the last on the same warm
+# machine: `... keep part0` (carry .gpu_assets/parts/part0), ... `keep part3`, then `... run [tests]`
+# (carry .gpu_assets/parts/part4, .gpu_assets/tokenizer and .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 KEEP=/tmp/keep  # outside the tree: the next call syncs the tree again
@@ -13,10 +13,11 @@ if [ -d .whl ] && [ ! -d "$KEEP/site" ]; then  # whichever call carries the whee
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$KEEP/site" .whl/*.whl || exit 1
 fi
 if [ "${1:-}" = keep ]; then
-  mv ".gpu_assets/$2" "$KEEP/" || exit 1
+  mv ".gpu_assets/parts/$2" "$KEEP/" || exit 1
   ls "$KEEP"; exit 0
 fi
-cat "$KEEP/p1" "$KEEP/p2" .gpu_assets/p3 > /tmp/smol.gguf || exit 1
+mv .gpu_assets/parts/part* "$KEEP/" || exit 1
+cat "$KEEP"/part? > /tmp/smol.gguf || exit 1
 sha256sum /tmp/smol.gguf
 export PYTHONPATH=$PWD:$PWD/benchmarks:$KEEP/site PYTHONUNBUFFERED=1 RADIXLM_CACHE=/tmp/radixlm-cache
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -27,7 +27,7 @@ import torch
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.constrained.jump_forward import JumpPolicy
-from radixlm.runtime.constrained.mask_process import MaskProcess
+from radixlm.runtime.constrained.mask_process import MaskProcesses
 from radixlm.runtime.constrained.registry import check_grammar_backend
 from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.cuda_graph import graph_buckets
@@ -144,10 +144,8 @@ class EngineCore:
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset(arch.eos_token_ids) | ({eos} if eos is not None else set())
         self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
-        gp = config.constraint.grammar_process
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint,
-                                    self._mask_process if self.overlap and (gp or gp is None and self.device.type == "cuda")
-                                    else None)
+                                    self._mask_processes if self._mask_process_count() else None)
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self.grammar, self.context_length,
                                       self._finish_turn, JumpPolicy(max_running=self._jump_cap()))
         self.requests: dict[str, EngineRequest] = {}
@@ -179,9 +177,18 @@ class EngineCore:
     def _grammar_service(self) -> GrammarService:
         return GrammarService(self.tokenizer, self.source.arch.vocab_size, sorted(self.eos_ids), self.config.constraint)
 
-    def _mask_process(self) -> MaskProcess:
-        return MaskProcess(str(self.source.tokenizer_dir), self.source.arch.vocab_size, sorted(self.eos_ids),
-                           self.config.constraint, self.config.scheduler.max_running_requests)
+    def _mask_process_count(self) -> int:
+        """--grammar-processes, or its default: with the overlap schedule on CUDA one per 4 host
+        cores (1 to 4), else none; none without the overlap schedule (no step is queued ahead)."""
+        n = self.config.constraint.grammar_processes
+        if n is None:
+            n = min(4, max(1, (os.cpu_count() or 1) // 4)) if self.device.type == "cuda" else 0
+        return n if self.overlap else 0
+
+    def _mask_processes(self) -> MaskProcesses:
+        return MaskProcesses(str(self.source.tokenizer_dir), self.source.arch.vocab_size, sorted(self.eos_ids),
+                             self.config.constraint, self.config.scheduler.max_running_requests,
+                             self._mask_process_count())
 
     def info(self) -> dict[str, Any]:
         """What the server reports about the model (get_model_info / get_server_info)."""

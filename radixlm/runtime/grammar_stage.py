@@ -20,7 +20,7 @@ from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
 from radixlm.runtime.constrained.grammar import Grammar, accept_tokens, fill_masks
 from radixlm.runtime.constrained.jump_forward import Jump
-from radixlm.runtime.constrained.mask_process import MaskProcess, MirrorRow
+from radixlm.runtime.constrained.mask_process import MaskProcesses, MirrorRow
 from radixlm.runtime.constrained.service import ERROR_PREFIX, GrammarService
 from radixlm.runtime.request import EngineRequest
 
@@ -43,13 +43,13 @@ class GrammarStep:
 
 class GrammarStage:
     def __init__(self, make_service: Callable[[], GrammarService], vocab_size: int, config: ConstraintConfig,
-                 make_process: Callable[[], MaskProcess] | None = None) -> None:
-        """``make_process``: starts the mask process (masks of a step queued ahead filled beside
+                 make_process: Callable[[], MaskProcesses] | None = None) -> None:
+        """``make_process``: starts the mask processes (masks of a step queued ahead filled beside
         the step loop, docs/structured-output.md); None: the step loop fills every mask."""
         self._make_service = make_service
         self._service: GrammarService | None = None
         self._make_process = make_process
-        self._process: MaskProcess | None = None
+        self._process: MaskProcesses | None = None
         self._asked: dict[str, tuple[int, int]] = {}  # rid -> its (output tokens, forced tokens) when asked
         self.vocab_size = vocab_size
         self.config = config
@@ -166,7 +166,7 @@ class GrammarStage:
             if r.matcher is None or r.params.constraint is None or r.rid in self._next_rows:
                 continue
             tok = pending.get(r.rid)
-            rows.append(MirrorRow(r.rid, r.params.constraint, r.output_ids, tok))
+            rows.append(MirrorRow(r.rid, r.params.constraint, r.output_ids, tok, r.forced_tokens))
             marks[r.rid] = (len(r.output_ids) + (tok is not None), r.forced_tokens)
         if self._process.ask(rows):
             self._asked = marks

@@ -207,7 +207,7 @@ def with_mask_process():
     # the overlap schedule with the mask process on (on by default only with CUDA); greedy rows
     # mask first (no mask on reject), so the process fills rows of every kind; an engine a test,
     # as each test ends with the process killed
-    engine = Engine(overlap_schedule=True, grammar_process=True, mask_on_reject=False, max_total_tokens=4096,
+    engine = Engine(overlap_schedule=True, grammar_processes=2, mask_on_reject=False, max_total_tokens=4096,
                     dtype="float32")
     yield engine
     engine.shutdown()
@@ -231,8 +231,8 @@ def test_masks_from_the_mask_process_give_the_plain_loops_outputs(engines, with_
     filled = proc.rows_filled
     assert [_strip(o) for o in on.generate(prompts, params)] == ref
     assert proc.rows_filled > filled
-    proc._proc.kill()
-    proc._proc.wait(10)
+    proc._workers[1].proc.kill()
+    proc._workers[1].proc.wait(10)
     assert [_strip(o) for o in on.generate(prompts, params)] == ref
     assert proc.dead and not on.core.grammar.uses_process
     on.core.check_idle_integrity()

@@ -1,20 +1,21 @@
-"""MaskProcess: a step's grammar masks filled in a process of its own, while the step loop makes text.
+"""MaskProcesses: a step's grammar masks filled in processes of their own, while the step loop makes text.
 
 The step loop's matchers stay the authority (they accept, test, jump and decide when an output is
-complete). The mask process keeps a mirror matcher per constrained request and, asked for a
-step's rows, first brings each mirror to the tokens its request has taken (a rollback, then the
-new tokens: the mirror's tokens are remembered here, so only the difference travels), then fills
-the rows' bitmasks into shared memory. Asking returns at once; the step loop turns each sampled
+complete). Each mask process keeps a mirror matcher for each of its constrained requests (a
+request stays with one process) and, asked for a step's rows, first brings each mirror to the
+tokens its request has taken (a rollback after a jump, then the new tokens: only the difference
+travels), then fills the rows' bitmasks into shared memory. Several processes split the rows, and
+each has its own compile of a grammar, so they do not contend for one lexer. Asking returns at once; the step loop turns each sampled
 token into text meanwhile and collects the masks when it needs them. A grammar engine's bitmask
 fill releases the GIL, but a thread filling beside the step loop's Python still waits for the
 interpreter between its calls (docs/benchmarks.md, "A step's masks on one thread"); a process
 does not.
 
-Anything the process cannot do (it is still starting, it died, a mirror disagrees, an answer is
-late) leaves those rows to the step loop's own fill, so outputs never depend on it: a dead process
-is logged once and not restarted. It is a fresh `python -m` process (the server's engine process
-is a daemon, which may not have multiprocessing children), met over a local socket, and it ends
-when the engine does.
+Anything the processes cannot do (still starting, a mirror that cannot take its tokens, an answer
+that is late, a process that died) leaves those rows to the step loop's own fill, so outputs never
+depend on them: once one process is gone, all are stopped and the step loop fills every mask (a
+warning is logged). Each is a fresh `python -m` process (the server's engine process is a daemon,
+which may not have multiprocessing children), met over a local socket; it ends when the engine does.
 """
 
 from __future__ import annotations
@@ -51,13 +52,16 @@ TAIL = 64
 
 @dataclass(frozen=True)
 class MirrorRow:
-    """One row asked of the process: the request, its constraint, and the tokens it has taken
-    (``tokens``, then ``pending`` if not None: a token accepted but not yet appended)."""
+    """One row asked of the processes: the request, its constraint, and the tokens it has taken
+    (``tokens``, then ``pending`` if not None: a token accepted but not yet appended).
+    ``version`` changes whenever tokens already taken were rewritten (a jump over forced text:
+    the request's forced-token count); while it stands, tokens were only appended."""
 
     rid: str
     constraint: tuple[str, Any]
     tokens: Sequence[int]
     pending: int | None = None
+    version: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens) + (self.pending is not None)
@@ -72,13 +76,17 @@ class MirrorRow:
 
 @dataclass
 class _Mirror:
+    worker: int
     length: int
+    version: int
     tail: list[int]  # its last TAIL tokens
 
 
 def _kept(mirror: _Mirror, row: MirrorRow) -> int | None:
     """How many of the mirror's tokens the row still starts with; None: it changed before the
     remembered tail (the mirror is built again)."""
+    if mirror.version == row.version and mirror.length <= len(row):
+        return mirror.length  # only appended since
     start = mirror.length - len(mirror.tail)
     now = row.span(start, mirror.length)
     k = 0
@@ -89,126 +97,170 @@ def _kept(mirror: _Mirror, row: MirrorRow) -> int | None:
     return start + k
 
 
-class MaskProcess:
+class _Worker:
+    """One mask process: started, met over a local socket, asked and answered."""
+
+    def __init__(self, args: list[str]) -> None:
+        key = secrets.token_bytes(16)
+        self.listener = Listener(family="AF_UNIX", authkey=key)
+        self.conn: Connection | None = None
+        self.ready = False
+        threading.Thread(target=self._accept, name="radixlm-masks-accept", daemon=True).start()
+        env = dict(os.environ, OMP_NUM_THREADS="1", RADIXLM_MASKS_KEY=key.hex())
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, "--address", str(self.listener.address), *args],
+                                     env=env)
+
+    def _accept(self) -> None:
+        try:
+            self.conn = self.listener.accept()
+        except OSError:  # closed before the process came
+            pass
+
+    def started(self) -> bool:
+        """Whether it said it is ready; raises EOFError if it is gone."""
+        if not self.ready:
+            if self.proc.poll() is not None:
+                raise EOFError(f"exited with code {self.proc.returncode}")
+            if self.conn is not None and self.conn.poll():
+                self.ready = self.conn.recv() == "ready"
+        return self.ready
+
+    def stop(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+class MaskProcesses:
     def __init__(self, tokenizer_dir: str, vocab_size: int, stop_ids: Sequence[int], config: ConstraintConfig,
-                 max_rows: int) -> None:
+                 max_rows: int, count: int = 1) -> None:
+        """``count`` processes, for steps of up to ``max_rows`` constrained rows."""
+        if count < 1:
+            raise ValueError(f"mask processes: count must be >= 1, got {count}")
         self.width = bitmask_width(vocab_size)
         self.max_rows = max_rows
         self._memory = shared_memory.SharedMemory(create=True, size=4 * max_rows * self.width)
         self.masks = torch.frombuffer(self._memory.buf, dtype=torch.int32,
                                       count=max_rows * self.width).view(max_rows, self.width)
-        key = secrets.token_bytes(16)
-        self._listener = Listener(family="AF_UNIX", authkey=key)
-        self._conn: Connection | None = None
-        threading.Thread(target=self._accept, name="radixlm-masks-accept", daemon=True).start()
-        env = dict(os.environ, OMP_NUM_THREADS="1", RADIXLM_MASKS_KEY=key.hex())
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, "--address", str(self._listener.address), "--memory", self._memory.name,
-             "--rows", str(max_rows), "--tokenizer", tokenizer_dir, "--vocab-size", str(vocab_size),
-             "--stop-ids", json.dumps(list(stop_ids)), "--config", json.dumps(dataclasses.asdict(config))], env=env)
+        args = ["--memory", self._memory.name, "--rows", str(max_rows), "--tokenizer", tokenizer_dir,
+                "--vocab-size", str(vocab_size), "--stop-ids", json.dumps(list(stop_ids)),
+                "--config", json.dumps(dataclasses.asdict(config))]
+        self._workers = [_Worker(args) for _ in range(count)]
         self.ready = False
         self.dead = False
         self._mirrors: dict[str, _Mirror] = {}  # what each mirror matcher has taken
-        self._forgotten: list[str] = []
-        self._asked: dict[str, tuple[int, int]] | None = None  # rid -> (row, tokens) of the fill in flight
+        self._load = [0] * count  # requests mirrored by each process
+        self._forgotten: list[list[str]] = [[] for _ in range(count)]
+        self._asked: list[list[tuple[str, int, int]]] | None = None  # per process: (rid, row, tokens) in flight
         self.rows_filled = 0
-
-    def _accept(self) -> None:
-        try:
-            self._conn = self._listener.accept()
-        except OSError:  # closed before the process came
-            pass
 
     @property
     def usable(self) -> bool:
-        """Started and alive: fills may be asked."""
+        """All started and alive: fills may be asked."""
         if self.dead:
             return False
         if not self.ready:
-            if self._proc.poll() is not None:
-                self._died("while starting")
-            elif self._conn is not None:
-                try:
-                    if self._conn.poll():
-                        self.ready = self._conn.recv() == "ready"
-                except (EOFError, OSError):
-                    self._died("while starting")
+            try:
+                self.ready = all([w.started() for w in self._workers])
+            except (EOFError, OSError) as e:
+                self._died(f"while starting ({e})")
         return self.ready and not self.dead
 
     def forget(self, rid: str) -> None:
         """The request ended: its mirror goes with the next fill."""
-        if self._mirrors.pop(rid, None) is not None:
-            self._forgotten.append(rid)
+        mirror = self._mirrors.pop(rid, None)
+        if mirror is not None:
+            self._forgotten[mirror.worker].append(rid)
+            self._load[mirror.worker] -= 1
 
     def ask(self, rows: Sequence[MirrorRow]) -> bool:
         """Start filling the masks of ``rows`` (row i into ``masks[i]``); False when not asked
         (not usable, too many rows, or a fill still in flight)."""
         if not rows or len(rows) > self.max_rows or self._asked is not None or not self.usable:
             return False
-        work: list[tuple[int, str, tuple[str, Any] | None, int, list[int]]] = []
+        work: list[list[tuple[int, str, tuple[str, Any] | None, int, list[int]]]] = [[] for _ in self._workers]
+        asked: list[list[tuple[str, int, int]]] = [[] for _ in self._workers]
         for i, row in enumerate(rows):
             n = len(row)
             mirror = self._mirrors.get(row.rid)
             keep = None if mirror is None else _kept(mirror, row)
-            if mirror is None or keep is None:
-                work.append((i, row.rid, row.constraint, 0, row.span(0, n)))
+            if mirror is None:
+                w = self._load.index(min(self._load))
+                self._load[w] += 1
             else:
-                work.append((i, row.rid, None, mirror.length - keep, row.span(keep, n)))
-            self._mirrors[row.rid] = _Mirror(n, row.span(max(0, n - TAIL), n))
-        assert self._conn is not None
+                w = mirror.worker
+            if keep is None or mirror is None:  # a new mirror (one built again replaces the old)
+                work[w].append((i, row.rid, row.constraint, 0, row.span(0, n)))
+            else:
+                work[w].append((i, row.rid, None, mirror.length - keep, row.span(keep, n)))
+            self._mirrors[row.rid] = _Mirror(w, n, row.version, row.span(max(0, n - TAIL), n))
+            asked[w].append((row.rid, i, n))
         try:
-            self._conn.send((self._forgotten, work))
-        except (OSError, ValueError):
-            self._died("while asked")
+            for w, worker in enumerate(self._workers):
+                if work[w]:  # (forgotten mirrors wait for the process's next work)
+                    assert worker.conn is not None
+                    worker.conn.send((self._forgotten[w], work[w]))
+                    self._forgotten[w] = []
+        except (OSError, ValueError) as e:
+            self._died(f"while asked ({e})")
             return False
-        self._forgotten = []
-        self._asked = {row.rid: (i, len(row)) for i, row in enumerate(rows)}
+        self._asked = asked
         return True
 
     def collect(self) -> dict[str, tuple[int, int, bool]]:
-        """Wait for the fill in flight: for each row it filled, rid -> (row in ``masks``, tokens
-        its mirror had taken, whether the mask forbids anything). Rows it could not fill are
+        """Wait for the fill in flight: for each row filled, rid -> (row in ``masks``, tokens its
+        mirror had taken, whether the mask forbids anything). Rows that could not be filled are
         missing (their mirrors are dropped, to be built again)."""
         asked, self._asked = self._asked, None
-        if asked is None or self.dead or self._conn is None:
+        if asked is None or self.dead:
             return {}
+        out = {}
         try:
-            if not self._conn.poll(REPLY_TIMEOUT_S):
-                raise TimeoutError(f"no answer in {REPLY_TIMEOUT_S:g} s")
-            results: list[bool | None] = self._conn.recv()
+            for worker, rows in zip(self._workers, asked):
+                if not rows:
+                    continue
+                assert worker.conn is not None
+                if not worker.conn.poll(REPLY_TIMEOUT_S):
+                    raise TimeoutError(f"no answer in {REPLY_TIMEOUT_S:g} s")
+                results: list[bool | None] = worker.conn.recv()
+                for (rid, i, n), got in zip(rows, results):
+                    if got is None:  # the mirror failed: built again from scratch next time
+                        self.forget(rid)
+                    else:
+                        out[rid] = (i, n, got)
         except (EOFError, OSError, TimeoutError) as e:
             self._died(f"while filling ({type(e).__name__}: {e})")
             return {}
-        out = {}
-        for rid, (i, n) in asked.items():
-            if results[i] is None:  # the mirror failed: built again from scratch next time
-                self.forget(rid)
-            else:
-                out[rid] = (i, n, bool(results[i]))
         self.rows_filled += len(out)
         return out
 
     def _died(self, when: str) -> None:
         if not self.dead:
-            log.warning("the grammar mask process stopped %s; the step loop fills its own masks from now on", when)
+            log.warning("a grammar mask process stopped %s; the step loop fills its own masks from now on", when)
+            for w in self._workers:
+                if w.proc.poll() is None:
+                    w.proc.kill()
         self.dead = True
         self._asked = None
         self._mirrors.clear()
 
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
     def shutdown(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.send(None)
-            except (OSError, ValueError):
-                pass
-        try:
-            self._proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(5)
-        if self._conn is not None:
-            self._conn.close()
-        self._listener.close()
+        for w in self._workers:
+            w.stop()
         del self.masks
         self._memory.close()
         self._memory.unlink()
@@ -253,8 +305,8 @@ def _serve(conn: Connection, memory_name: str, max_rows: int, tokenizer_dir: str
             for rid in forgotten:
                 mirrors.pop(rid, None)
             results: list[bool | None] = [None] * len(work)
-            live, rows = [], []
-            for i, rid, constraint, back, tokens in work:
+            live, rows, at = [], [], []
+            for k, (i, rid, constraint, back, tokens) in enumerate(work):
                 try:
                     if constraint is not None:  # a new mirror (or one built again)
                         mirrors[rid] = service.submit(*constraint).result().new_matcher()
@@ -269,9 +321,10 @@ def _serve(conn: Connection, memory_name: str, max_rows: int, tokenizer_dir: str
                     continue
                 live.append(mirrors[rid])
                 rows.append(i)
+                at.append(k)
             if live:
-                for i, got in zip(rows, fill_masks(live, masks, rows)):
-                    results[i] = None if isinstance(got, Exception) else got
+                for k, got in zip(at, fill_masks(live, masks, rows)):
+                    results[k] = None if isinstance(got, Exception) else got
             conn.send(results)
     finally:
         del masks
