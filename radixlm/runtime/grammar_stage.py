@@ -122,6 +122,7 @@ class GrammarStage:
         masked = [False] * len(rows)
         to_fill: list[int] = []
         filled = self._collect()
+        ahead: list[tuple[int, int]] = []  # (row here, row the mask processes filled)
         for j, i in enumerate(rows):
             req = reqs[i]
             kept = self._next_rows.pop(req.rid, None)
@@ -129,10 +130,14 @@ class GrammarStage:
             if kept is not None:
                 bitmask[j], masked[j] = kept
             elif ready is not None and self._asked.get(req.rid) == (len(req.output_ids), req.forced_tokens):
-                assert self._process is not None
-                bitmask[j], masked[j] = self._process.masks[ready[0]], ready[2]
+                ahead.append((j, ready[0]))
+                masked[j] = ready[2]
             else:
                 to_fill.append(j)
+        if ahead:
+            assert self._process is not None
+            here, there = zip(*ahead)
+            bitmask[list(here)] = self._process.masks[list(there)]
         matchers = [reqs[rows[j]].matcher for j in to_fill]
         failed: list[tuple[EngineRequest, str]] = []
         for j, got in zip(to_fill, fill_masks(matchers, bitmask, to_fill)):  # type: ignore[arg-type]

@@ -45,17 +45,14 @@ log = logging.getLogger(__name__)
 REPLY_TIMEOUT_S = 10.0  # an answer later than this: the process is taken for dead
 
 
-# Tokens of each mirror's tail remembered to find where a request's tokens changed: a jump over
-# forced text rewrites at most the last few output tokens (jump_forward.DEFAULT_WINDOW).
-TAIL = 64
-
-
 @dataclass(frozen=True)
 class MirrorRow:
     """One row asked of the processes: the request, its constraint, and the tokens it has taken
     (``tokens``, then ``pending`` if not None: a token accepted but not yet appended).
     ``version`` changes whenever tokens already taken were rewritten (a jump over forced text:
-    the request's forced-token count); while it stands, tokens were only appended."""
+    the request's forced-token count); while it stands, tokens were only appended, and only
+    those travel. A new version builds the mirror again (jumps are rare where masks are filled
+    ahead: on CUDA only while one request runs)."""
 
     rid: str
     constraint: tuple[str, Any]
@@ -76,25 +73,9 @@ class MirrorRow:
 
 @dataclass
 class _Mirror:
-    worker: int
-    length: int
-    version: int
-    tail: list[int]  # its last TAIL tokens
-
-
-def _kept(mirror: _Mirror, row: MirrorRow) -> int | None:
-    """How many of the mirror's tokens the row still starts with; None: it changed before the
-    remembered tail (the mirror is built again)."""
-    if mirror.version == row.version and mirror.length <= len(row):
-        return mirror.length  # only appended since
-    start = mirror.length - len(mirror.tail)
-    now = row.span(start, mirror.length)
-    k = 0
-    while k < len(now) and now[k] == mirror.tail[k]:
-        k += 1
-    if k == 0 and start > 0:
-        return None
-    return start + k
+    worker: int  # the process that holds it
+    length: int  # tokens it has taken
+    version: int  # its request's version then
 
 
 class _Worker:
@@ -193,17 +174,16 @@ class MaskProcesses:
         for i, row in enumerate(rows):
             n = len(row)
             mirror = self._mirrors.get(row.rid)
-            keep = None if mirror is None else _kept(mirror, row)
             if mirror is None:
                 w = self._load.index(min(self._load))
                 self._load[w] += 1
-            else:
-                w = mirror.worker
-            if keep is None or mirror is None:  # a new mirror (one built again replaces the old)
+                mirror = self._mirrors[row.rid] = _Mirror(w, 0, -1)  # no version yet: built below
+            w = mirror.worker
+            if mirror.version == row.version and mirror.length <= n:  # only appended since
+                work[w].append((i, row.rid, None, mirror.length, row.span(mirror.length, n)))
+            else:  # new, or rewritten: (built again) from the constraint and every token
                 work[w].append((i, row.rid, row.constraint, 0, row.span(0, n)))
-            else:
-                work[w].append((i, row.rid, None, mirror.length - keep, row.span(keep, n)))
-            self._mirrors[row.rid] = _Mirror(w, n, row.version, row.span(max(0, n - TAIL), n))
+            mirror.length, mirror.version = n, row.version
             asked[w].append((row.rid, i, n))
         try:
             for w, worker in enumerate(self._workers):
@@ -282,7 +262,8 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 def _serve(conn: Connection, memory_name: str, max_rows: int, tokenizer_dir: str, vocab_size: int,
            stop_ids: list[int], config: ConstraintConfig) -> None:
-    """The mask process: mirror matchers by request, brought up to date and filled on demand."""
+    """A mask process: mirror matchers by request (with the tokens each took), brought up to date
+    and filled on demand."""
     from radixlm.runtime.constrained.grammar import accept_run, fill_masks
     from radixlm.runtime.constrained.service import GrammarService
     from radixlm.runtime.tokenizer_loader import load_tokenizer
@@ -306,20 +287,21 @@ def _serve(conn: Connection, memory_name: str, max_rows: int, tokenizer_dir: str
                 mirrors.pop(rid, None)
             results: list[bool | None] = [None] * len(work)
             live, rows, at = [], [], []
-            for k, (i, rid, constraint, back, tokens) in enumerate(work):
+            for k, (i, rid, constraint, start, tokens) in enumerate(work):
                 try:
                     if constraint is not None:  # a new mirror (or one built again)
-                        mirrors[rid] = service.submit(*constraint).result().new_matcher()
-                    m = mirrors[rid]
-                    if back > 0:
-                        m.rollback(back)
+                        mirrors[rid] = (service.submit(*constraint).result().new_matcher(), 0)
+                    m, taken = mirrors[rid]
+                    if taken != start:
+                        raise ValueError(f"the mirror has {taken} tokens, not {start}")
                     if accept_run(m, tokens) != len(tokens):
                         raise ValueError("a mirror refused a token its request took")
+                    mirrors[rid] = (m, start + len(tokens))
                 except Exception:  # noqa: BLE001 - the step loop fills this row itself
                     log.exception("grammar mask process: request %s", rid)
                     mirrors.pop(rid, None)
                     continue
-                live.append(mirrors[rid])
+                live.append(m)
                 rows.append(i)
                 at.append(k)
             if live:
