@@ -128,6 +128,21 @@ def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
     return out
 
 
+def _start_mask_processes(engine: Engine) -> None:
+    """Start the engine's mask processes (if it has any) and wait until they serve: they start
+    with the first constrained step and take seconds to load, a short run's whole length."""
+    grammar = engine.core.grammar
+    if not grammar.uses_process:
+        return
+    engine.generate(prompts(2), _params("json_schema"))
+    t0 = time.perf_counter()
+    while grammar._process is not None and not grammar._process.usable and time.perf_counter() - t0 < 120:
+        time.sleep(0.2)
+    usable = grammar._process is not None and grammar._process.usable
+    print(f"mask processes: {len(grammar._process._workers) if grammar._process else 0}, serving {usable}, "
+          f"after {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -137,11 +152,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--phases", action="store_true", help="host ms per bs64 step by phase")
+    ap.add_argument("--grammar-processes", type=int, default=None,
+                    help="mask processes (the engine's --grammar-processes; default: the engine's choice)")
     ap.add_argument("--modes", default=",".join(str(i) for i in range(len(MODES))),
                     help="indices into MODES (0, free text, always runs)")
     args = ap.parse_args()
-    engine = Engine(args.model, device=args.device, dtype="bfloat16", max_running_requests=128)
+    engine = Engine(args.model, device=args.device, dtype="bfloat16", max_running_requests=128,
+                    grammar_processes=args.grammar_processes)
     engine.core.warm_up()
+    _start_mask_processes(engine)
     p = engine.core.output.jump_policy
     print(f"jump policy: decode step {1e3 * p.decode_s:.2f} ms, extend penalty {1e3 * p.penalty_s:.2f} ms, "
           f"min gain at 1/16/64 running: {p.min_gain(1)}/{p.min_gain(16)}/{p.min_gain(64)}", flush=True)

@@ -278,7 +278,7 @@ def _serve(conn: Connection, memory_name: str, max_rows: int, tokenizer_dir: str
         while True:
             try:
                 msg = conn.recv()
-            except EOFError:  # the step loop is gone
+            except (EOFError, OSError):  # the step loop is gone
                 break
             if msg is None:
                 break
