@@ -113,6 +113,7 @@ def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
     params = _params(mode)
     engine.flush_cache()
     steps0 = core.steps
+    processes0 = core.grammar._process.process_seconds if core.grammar._process is not None else 0.0
     t0 = time.perf_counter()
     try:
         engine.generate(chats, params)
@@ -123,6 +124,9 @@ def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
     steps = max(core.steps - steps0, 1)
     out = {k: 1e3 * v / steps for k, v in spent.items()}
     out["rest"] = 1e3 * total / steps - out["wait"] - out["output"] - out["mask"]
+    proc = core.grammar._process
+    if proc is not None:  # the mask processes' own time a step, all together
+        out["processes"] = 1e3 * (proc.process_seconds - processes0) / steps
     out["step"] = 1e3 * total / steps
     out["steps"] = steps
     return out

@@ -29,6 +29,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -144,6 +145,7 @@ class MaskProcesses:
         self._forgotten: list[list[str]] = [[] for _ in range(count)]
         self._asked: list[list[tuple[str, int, int]]] | None = None  # per process: (rid, row, tokens) in flight
         self.rows_filled = 0
+        self.process_seconds = 0.0  # the processes' own time on fills, all together
 
     @property
     def usable(self) -> bool:
@@ -212,7 +214,8 @@ class MaskProcesses:
                 assert worker.conn is not None
                 if not worker.conn.poll(REPLY_TIMEOUT_S):
                     raise TimeoutError(f"no answer in {REPLY_TIMEOUT_S:g} s")
-                results: list[bool | None] = worker.conn.recv()
+                results, spent = worker.conn.recv()
+                self.process_seconds += spent
                 for (rid, i, n), got in zip(rows, results):
                     if got is None:  # the mirror failed: built again from scratch next time
                         self.forget(rid)
@@ -273,6 +276,7 @@ def _serve(conn: Connection, memory_name: str, max_rows: int, tokenizer_dir: str
     width = bitmask_width(vocab_size)
     masks = torch.frombuffer(memory.buf, dtype=torch.int32, count=max_rows * width).view(max_rows, width)
     mirrors: dict[str, Any] = {}
+    grammars: dict[tuple[str, str], Any] = {}  # by the constraint as sent: no parsing a spec twice
     conn.send("ready")
     try:
         while True:
@@ -282,6 +286,7 @@ def _serve(conn: Connection, memory_name: str, max_rows: int, tokenizer_dir: str
                 break
             if msg is None:
                 break
+            t0 = time.perf_counter()
             forgotten, work = msg
             for rid in forgotten:
                 mirrors.pop(rid, None)
@@ -290,7 +295,11 @@ def _serve(conn: Connection, memory_name: str, max_rows: int, tokenizer_dir: str
             for k, (i, rid, constraint, start, tokens) in enumerate(work):
                 try:
                     if constraint is not None:  # a new mirror (or one built again)
-                        mirrors[rid] = (service.submit(*constraint).result().new_matcher(), 0)
+                        kind, spec = constraint
+                        key = (kind, spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True))
+                        if key not in grammars:
+                            grammars[key] = service.submit(kind, spec).result()
+                        mirrors[rid] = (grammars[key].new_matcher(), 0)
                     m, taken = mirrors[rid]
                     if taken != start:
                         raise ValueError(f"the mirror has {taken} tokens, not {start}")
@@ -307,7 +316,7 @@ def _serve(conn: Connection, memory_name: str, max_rows: int, tokenizer_dir: str
             if live:
                 for k, got in zip(at, fill_masks(live, masks, rows)):
                     results[k] = None if isinstance(got, Exception) else got
-            conn.send(results)
+            conn.send((results, time.perf_counter() - t0))
     finally:
         del masks
         memory.close()
