@@ -33,7 +33,7 @@ OUT = 96
 SAME_LENGTH = 44
 MODES = ["free", "json_schema", "json_schema, jumps alone", "json_schema, every jump", "json_schema, no jump-forward",
          "json_schema, mask on reject", "free, same length",
-         "json_schema, jumps alone, fill pool 12", "json_schema, jumps alone, masks on the step loop"]
+         "json_schema, jumps alone, fill pool 12"]
 
 
 def _params(mode: str) -> dict[str, Any]:
@@ -64,16 +64,12 @@ def run(engine: Engine, chats: list, mode: str, one_at_a_time: bool) -> dict[str
         backend._cache.clear()  # the compiled grammar hands its matchers the pool
     if mode == "json_schema, mask on reject":
         core.grammar.config = dataclasses.replace(config, mask_on_reject=True)
-    make_process = core.grammar._make_process
-    if mode == "json_schema, jumps alone, masks on the step loop":  # no mask process
-        core.grammar._make_process = None
     engine.flush_cache()
     t0 = time.perf_counter()
     try:
         outs = [engine.generate(c, params) for c in chats] if one_at_a_time else engine.generate(chats, params)
     finally:
         core.output.jump_policy, core.grammar.config = policy, config
-        core.grammar._make_process = make_process
         if executor is not None and backend._executor is not executor:
             backend._executor = executor
             backend._cache.clear()
@@ -113,7 +109,6 @@ def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
     params = _params(mode)
     engine.flush_cache()
     steps0 = core.steps
-    processes0 = core.grammar._process.process_seconds if core.grammar._process is not None else 0.0
     t0 = time.perf_counter()
     try:
         engine.generate(chats, params)
@@ -124,27 +119,9 @@ def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
     steps = max(core.steps - steps0, 1)
     out = {k: 1e3 * v / steps for k, v in spent.items()}
     out["rest"] = 1e3 * total / steps - out["wait"] - out["output"] - out["mask"]
-    proc = core.grammar._process
-    if proc is not None:  # the mask processes' own time a step, all together
-        out["processes"] = 1e3 * (proc.process_seconds - processes0) / steps
     out["step"] = 1e3 * total / steps
     out["steps"] = steps
     return out
-
-
-def _start_mask_processes(engine: Engine) -> None:
-    """Start the engine's mask processes (if it has any) and wait until they serve: they start
-    with the first constrained step and take seconds to load, a short run's whole length."""
-    grammar = engine.core.grammar
-    if not grammar.uses_process:
-        return
-    engine.generate(prompts(2), _params("json_schema"))
-    t0 = time.perf_counter()
-    while grammar._process is not None and not grammar._process.usable and time.perf_counter() - t0 < 120:
-        time.sleep(0.2)
-    usable = grammar._process is not None and grammar._process.usable
-    print(f"mask processes: {len(grammar._process._workers) if grammar._process else 0}, serving {usable}, "
-          f"after {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def main() -> None:
@@ -156,15 +133,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--phases", action="store_true", help="host ms per bs64 step by phase")
-    ap.add_argument("--grammar-processes", type=int, default=None,
-                    help="mask processes (the engine's --grammar-processes; default: the engine's choice)")
     ap.add_argument("--modes", default=",".join(str(i) for i in range(len(MODES))),
                     help="indices into MODES (0, free text, always runs)")
     args = ap.parse_args()
-    engine = Engine(args.model, device=args.device, dtype="bfloat16", max_running_requests=128,
-                    grammar_processes=args.grammar_processes)
+    engine = Engine(args.model, device=args.device, dtype="bfloat16", max_running_requests=128)
     engine.core.warm_up()
-    _start_mask_processes(engine)
     p = engine.core.output.jump_policy
     print(f"jump policy: decode step {1e3 * p.decode_s:.2f} ms, extend penalty {1e3 * p.penalty_s:.2f} ms, "
           f"min gain at 1/16/64 running: {p.min_gain(1)}/{p.min_gain(16)}/{p.min_gain(64)}", flush=True)

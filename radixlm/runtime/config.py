@@ -137,10 +137,6 @@ class ConstraintConfig:
     # rows of one grammar, which contend in its shared lexer: 64 rows took 0.9-1.4 ms on one
     # thread, 1.7-1.9 ms on its default 12 (16-core Xeon; docs/structured-output.md).
     grammar_fill_threads: int = 1
-    # With the overlap schedule, this many processes fill the masks of the step queued ahead
-    # while the step loop makes the previous step's text (constrained/mask_process.py); 0: the
-    # step loop fills them. None: on CUDA one per 4 host cores, 1 to 4; 0 elsewhere.
-    grammar_processes: int | None = None
     grammar_compile_workers: int = 2
     grammar_cache_size: int = 1024
     # A compile past this many seconds fails its request (400); the spec is remembered as failed.
@@ -158,8 +154,6 @@ class ConstraintConfig:
                      "grammar_max_nesting", "grammar_max_enum", "grammar_max_repeat"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.grammar_processes is not None and self.grammar_processes < 0:
-            raise ValueError(f"grammar_processes must be >= 0 (0: none), got {self.grammar_processes}")
         if self.jump_forward_max_running is not None and self.jump_forward_max_running < 0:
             raise ValueError(f"jump_forward_max_running must be >= 0, got {self.jump_forward_max_running}")
         if not self.grammar_compile_timeout > 0:

@@ -27,7 +27,6 @@ import torch
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.constrained.jump_forward import JumpPolicy
-from radixlm.runtime.constrained.mask_process import MaskProcesses
 from radixlm.runtime.constrained.registry import check_grammar_backend
 from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.cuda_graph import graph_buckets
@@ -143,9 +142,8 @@ class EngineCore:
         self.scheduler = Scheduler(sc, self.cache, self.allocator, self.context_length, self.sessions.unpin_lru)
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset(arch.eos_token_ids) | ({eos} if eos is not None else set())
+        self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)
         self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
-        self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint,
-                                    self._mask_processes if self._mask_process_count() else None)
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self.grammar, self.context_length,
                                       self._finish_turn, JumpPolicy(max_running=self._jump_cap()))
         self.requests: dict[str, EngineRequest] = {}
@@ -176,19 +174,6 @@ class EngineCore:
 
     def _grammar_service(self) -> GrammarService:
         return GrammarService(self.tokenizer, self.source.arch.vocab_size, sorted(self.eos_ids), self.config.constraint)
-
-    def _mask_process_count(self) -> int:
-        """--grammar-processes, or its default: with the overlap schedule on CUDA one per 4 host
-        cores (1 to 4), else none; none without the overlap schedule (no step is queued ahead)."""
-        n = self.config.constraint.grammar_processes
-        if n is None:
-            n = min(4, max(1, (os.cpu_count() or 1) // 4)) if self.device.type == "cuda" else 0
-        return n if self.overlap else 0
-
-    def _mask_processes(self) -> MaskProcesses:
-        return MaskProcesses(str(self.source.tokenizer_dir), self.source.arch.vocab_size, sorted(self.eos_ids),
-                             self.config.constraint, self.config.scheduler.max_running_requests,
-                             self._mask_process_count())
 
     def info(self) -> dict[str, Any]:
         """What the server reports about the model (get_model_info / get_server_info)."""
@@ -486,22 +471,11 @@ class EngineCore:
             out = with_logprobs(run.logits, ids, run.tokens, nums, True)
             lps, tops = out.logprobs, out.top_logprobs
         reqs = [run.samplers[i] for i in live]
-        tokens = [ids[i] for i in live]
         outputs = list(run.ended) + self.output.append(
-            reqs, tokens, None if lps is None else [lps[i] for i in live], None if tops is None else [tops[i] for i in live],
-            on_accepted=self._masks_ahead(reqs, tokens))
+            reqs, [ids[i] for i in live],
+            None if lps is None else [lps[i] for i in live], None if tops is None else [tops[i] for i in live])
         self.scheduler.end_step(run.step)
         return [self._end(o) if o.finished else o for o in outputs]
-
-    def _masks_ahead(self, reqs: list[EngineRequest], tokens: list[int]) -> Callable[[], None] | None:
-        """With a step queued ahead for constrained rows and a mask process: once the grammars
-        took this run's tokens, ask the process for the queued step's masks, filled while the
-        host makes the run's text."""
-        ahead = self._ahead_forward
-        if ahead is None or not self.grammar.uses_process:
-            return None
-        pending = {r.rid: t for r, t in zip(reqs, tokens)}
-        return lambda: self.grammar.ask_ahead(ahead.reqs, pending)
 
     def _ended_elsewhere(self) -> list[RequestOutput]:
         """Requests the scheduler ended on its own (max_new_tokens=0, out of memory)."""

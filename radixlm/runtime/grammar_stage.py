@@ -20,7 +20,6 @@ from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
 from radixlm.runtime.constrained.grammar import Grammar, accept_tokens, fill_masks
 from radixlm.runtime.constrained.jump_forward import Jump
-from radixlm.runtime.constrained.mask_process import MaskProcesses, MirrorRow
 from radixlm.runtime.constrained.service import ERROR_PREFIX, GrammarService
 from radixlm.runtime.request import EngineRequest
 
@@ -42,15 +41,9 @@ class GrammarStep:
 
 
 class GrammarStage:
-    def __init__(self, make_service: Callable[[], GrammarService], vocab_size: int, config: ConstraintConfig,
-                 make_process: Callable[[], MaskProcesses] | None = None) -> None:
-        """``make_process``: starts the mask processes (masks of a step queued ahead filled beside
-        the step loop, docs/structured-output.md); None: the step loop fills every mask."""
+    def __init__(self, make_service: Callable[[], GrammarService], vocab_size: int, config: ConstraintConfig) -> None:
         self._make_service = make_service
         self._service: GrammarService | None = None
-        self._make_process = make_process
-        self._process: MaskProcesses | None = None
-        self._asked: dict[str, tuple[int, int]] = {}  # rid -> its (output tokens, forced tokens) when asked
         self.vocab_size = vocab_size
         self.config = config
         self._compiling: dict[str, tuple[EngineRequest, Future[Grammar]]] = {}
@@ -121,23 +114,12 @@ class GrammarStage:
         bitmask = self._bitmask(len(rows), pinned=logits.device.type == "cuda")
         masked = [False] * len(rows)
         to_fill: list[int] = []
-        filled = self._collect()
-        ahead: list[tuple[int, int]] = []  # (row here, row the mask processes filled)
         for j, i in enumerate(rows):
-            req = reqs[i]
-            kept = self._next_rows.pop(req.rid, None)
-            ready = filled.get(req.rid)
-            if kept is not None:
-                bitmask[j], masked[j] = kept
-            elif ready is not None and self._asked.get(req.rid) == (len(req.output_ids), req.forced_tokens):
-                ahead.append((j, ready[0]))
-                masked[j] = ready[2]
-            else:
+            kept = self._next_rows.pop(reqs[i].rid, None)
+            if kept is None:
                 to_fill.append(j)
-        if ahead:
-            assert self._process is not None
-            here, there = zip(*ahead)
-            bitmask[list(here)] = self._process.masks[list(there)]
+            else:
+                bitmask[j], masked[j] = kept
         matchers = [reqs[rows[j]].matcher for j in to_fill]
         failed: list[tuple[EngineRequest, str]] = []
         for j, got in zip(to_fill, fill_masks(matchers, bitmask, to_fill)):  # type: ignore[arg-type]
@@ -152,33 +134,6 @@ class GrammarStage:
             apply_bitmask_(logits, bitmask, rows)
         self._spent("mask", t0)
         return failed
-
-    # -- the mask process ----------------------------------------------------------------
-    @property
-    def uses_process(self) -> bool:
-        return self._make_process is not None and (self._process is None or not self._process.dead)
-
-    def ask_ahead(self, reqs: Sequence[EngineRequest], pending: dict[str, int]) -> None:
-        """Have the mask process fill the next masks of ``reqs`` while the step loop makes text;
-        ``pending``: tokens the grammars took that are not in ``output_ids`` yet. ``mask`` then
-        takes them, for the rows whose tokens are still those asked for."""
-        if self._make_process is None:
-            return
-        if self._process is None:
-            self._process = self._make_process()
-        rows, marks = [], {}
-        for r in reqs:
-            if r.matcher is None or r.params.constraint is None or r.rid in self._next_rows:
-                continue
-            tok = pending.get(r.rid)
-            rows.append(MirrorRow(r.rid, r.params.constraint, r.output_ids, tok, r.forced_tokens))
-            marks[r.rid] = (len(r.output_ids) + (tok is not None), r.forced_tokens)
-        if self._process.ask(rows):
-            self._asked = marks
-
-    def _collect(self) -> dict[str, tuple[int, int, bool]]:
-        """The masks the process filled for this step (waiting for them is the mask phase's time)."""
-        return {} if self._process is None else self._process.collect()
 
     def unmasked_rows(self, logits: torch.Tensor, reqs: list[EngineRequest]) -> list[int]:
         """The constrained rows whose mask can wait until their token is drawn (``rejected``
@@ -251,8 +206,6 @@ class GrammarStage:
     def forget(self, rid: str) -> None:
         """req finished: drop what was kept for its next step."""
         self._next_rows.pop(rid, None)
-        if self._process is not None:
-            self._process.forget(rid)
 
     @property
     def stop_id(self) -> int:
@@ -274,8 +227,6 @@ class GrammarStage:
     def shutdown(self) -> None:
         if self._service is not None:
             self._service.shutdown()
-        if self._process is not None:
-            self._process.shutdown()
 
     @property
     def seconds(self) -> float:
@@ -291,5 +242,4 @@ class GrammarStage:
 
     def stats(self) -> dict[str, Any]:
         return {"grammar_seconds": self.seconds, "grammar_tokens": self.tokens,
-                "grammar_masks_skipped": self.masks_skipped,
-                "grammar_process_rows": 0 if self._process is None else self._process.rows_filled}
+                "grammar_masks_skipped": self.masks_skipped}

@@ -68,17 +68,13 @@ class OutputProcessor:
         self.totals = Totals()
 
     def append(self, reqs: list[EngineRequest], tokens: list[int], logprobs: list[float] | None = None,
-               top_logprobs: list[list[tuple[int, float]]] | None = None,
-               on_accepted: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Each request's sampled token: grammar, text, stops, finishing. ``on_accepted`` runs
-        once the grammars took the tokens, before the text is made."""
+               top_logprobs: list[list[tuple[int, float]]] | None = None) -> list[RequestOutput]:
+        """Each request's sampled token: grammar, text, stops, finishing."""
         now = time.perf_counter()
         results = []
         constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
         accepted = dict(zip(constrained, self.grammar.accept_all([reqs[i] for i in constrained],
                                                                  [tokens[i] for i in constrained]))) if constrained else {}
-        if on_accepted is not None:
-            on_accepted()
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.output_ids.append(tok)
             took = accepted.get(i, True)

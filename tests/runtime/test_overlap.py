@@ -200,39 +200,3 @@ def test_constrained_rows_join_the_overlap_schedule(engines, jump_forward, sampl
     assert alone == ref[:1]
     on.core.check_idle_integrity()
     off.core.check_idle_integrity()
-
-
-@pytest.fixture
-def with_mask_process():
-    # the overlap schedule with the mask process on (on by default only with CUDA); greedy rows
-    # mask first (no mask on reject), so the process fills rows of every kind; an engine a test,
-    # as each test ends with the process killed
-    engine = Engine(overlap_schedule=True, grammar_processes=2, mask_on_reject=False, max_total_tokens=4096,
-                    dtype="float32")
-    yield engine
-    engine.shutdown()
-
-
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_masks_from_the_mask_process_give_the_plain_loops_outputs(engines, with_mask_process, sampled):
-    """The queued step's masks filled by the mask process (its mirrors brought to each request's
-    tokens, jumps included) give the plain loop's outputs token for token; once the process is
-    gone, the step loop fills them itself and the outputs stay the same."""
-    _, off = engines
-    on = with_mask_process
-    prompts, params = _constrained_batch(True, sampled)
-    ref = [_strip(o) for o in off.generate(prompts, params)]
-    for _ in range(100):  # the process starts with the first constrained step (seconds to load)
-        on.generate(prompts[:1], params[:1])
-        proc = on.core.grammar._process
-        if proc is not None and proc.usable:
-            break
-    assert proc is not None and proc.usable
-    filled = proc.rows_filled
-    assert [_strip(o) for o in on.generate(prompts, params)] == ref
-    assert proc.rows_filled > filled
-    proc._workers[1].proc.kill()
-    proc._workers[1].proc.wait(10)
-    assert [_strip(o) for o in on.generate(prompts, params)] == ref
-    assert proc.dead and not on.core.grammar.uses_process
-    on.core.check_idle_integrity()
