@@ -13,6 +13,8 @@ intervals; and the inverse, a fixed 1 ms of Python work in a thread while the st
 
     python benchmarks/grammar_host.py [--tokenizer DIR] [--batches 16,64] [--steps 200]
         [--threads 0,1,2,4,8] [--out benchmarks/results/grammar_host.json]
+        [--process]   (instead: the grammar's step work in a process of its own that owns the
+                       matchers, beside 1 ms of the step's Python, against all on the step's thread)
 
 --tokenizer defaults to the default model's (converted once into the cache dir).
 """
