@@ -138,6 +138,20 @@ def _overlap(a: set[str], b: set[str]) -> bool:
     return ("integer" in a and "number" in b) or ("number" in a and "integer" in b)
 
 
+def _listed(node: dict[str, Any]) -> Any:
+    """The values a schema node lists: its const (as a list of one), else its enum (None if none)."""
+    return [node["const"]] if "const" in node else node.get("enum")
+
+
+def _all_outside(values: list[Any], other: dict[str, Any]) -> bool:
+    """Whether none of ``values`` is valid under ``other``, by the values it lists or its types."""
+    o_vals = _listed(other)
+    o_keys = {canonical_json(v) for v in o_vals} if isinstance(o_vals, list) else None
+    o_types = _types(other)
+    return all((o_keys is not None and canonical_json(v) not in o_keys)
+               or (o_types is not None and not _overlap(_value_types(v), o_types)) for v in values)
+
+
 def _anchor_in_middle(pattern: str) -> bool:
     """True when ``^`` / ``$`` stands anywhere but at the ends of a top-level alternative
     (xgrammar drops such anchors, which can turn an impossible pattern into a possible one)."""
@@ -664,7 +678,7 @@ class _Checker:
         if not isinstance(node, dict):
             return None
         if "enum" in node or "const" in node:
-            vals = [node["const"]] if "const" in node else node.get("enum")
+            vals = _listed(node)
             if isinstance(vals, list):
                 return set().union(*(_value_types(v) for v in vals)) if vals else set()
         return _types(node)
@@ -676,13 +690,10 @@ class _Checker:
             return True
         if not isinstance(gen, dict) or not isinstance(other, dict) or depth > 8:
             return False
-        g_vals = [gen["const"]] if "const" in gen else gen.get("enum")
-        o_vals = [other["const"]] if "const" in other else other.get("enum")
-        o_types = _types(other)
+        g_vals = _listed(gen)
         if isinstance(g_vals, list):
-            o_keys = {canonical_json(v) for v in o_vals} if isinstance(o_vals, list) else None
-            return all((o_keys is not None and canonical_json(v) not in o_keys)
-                       or (o_types is not None and not _overlap(_value_types(v), o_types)) for v in g_vals)
+            return _all_outside(g_vals, other)
+        o_vals, o_types = _listed(other), _types(other)
         g_types = self.gen_types(gen)
         if g_types is None:
             return False
@@ -762,14 +773,9 @@ def exclude_each_other(a: Any, b: Any, root: Any, budget: list[int] | None = Non
     if not isinstance(a, dict) or not isinstance(b, dict) or budget[0] < 0:
         return False
     for x, y in ((a, b), (b, a)):
-        x_vals = [x["const"]] if "const" in x else x.get("enum")
-        y_vals = [y["const"]] if "const" in y else y.get("enum")
-        y_types = _types(y)
-        if isinstance(x_vals, list):
-            y_keys = {canonical_json(v) for v in y_vals} if isinstance(y_vals, list) else None
-            if all((y_keys is not None and canonical_json(v) not in y_keys)
-                   or (y_types is not None and not _overlap(_value_types(v), y_types)) for v in x_vals):
-                return True
+        x_vals = _listed(x)
+        if isinstance(x_vals, list) and _all_outside(x_vals, y):
+            return True
     a_types, b_types = _types(a), _types(b)
     if a_types is not None and b_types is not None and not _overlap(a_types, b_types):
         return True
