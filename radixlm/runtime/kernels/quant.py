@@ -24,8 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from radixlm.runtime.kernels.packed import DenseLinear
 
 GROUP = 32  # weights per scale/zero pair in int4 (the GGUF Q4_0/Q4_1 block)
 
@@ -40,7 +41,8 @@ class WeightOnlyLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
+        # (packed for oneDNN where the processor multiplies bf16: radixlm.runtime.kernels.packed)
+        self.dense = None if dense is None else DenseLinear(dense, bias)
         self.dense_above = dense_above
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +53,8 @@ class WeightOnlyLinear(nn.Module):
             return self.quantized_mm(x.contiguous())  # the decode step's case, in fewest ops
         rows = x.reshape(-1, self.in_features)
         if self.dense is not None and self.dense_above is not None and rows.shape[0] > self.dense_above:
-            return F.linear(x, self.dense, self.bias)
+            out: torch.Tensor = self.dense(x)
+            return out
         y = self.quantized_mm(rows.contiguous())
         if self.bias is not None:
             y = y + self.bias
@@ -133,7 +136,7 @@ class Int4Linear(WeightOnlyLinear):
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
         out = cls.from_affine(q, scale, lo, dtype, bias, keep_dense=False, dense_above=dense_above)
         if keep_dense:
-            out.dense = nn.Parameter(weight.to(dtype), requires_grad=False)
+            out.dense = DenseLinear(weight.to(dtype), out.bias)
         return out
 
 

@@ -206,7 +206,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, shard.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
-        self.quant_head: nn.Module | None = None  # a weight-only quantized LM head (CPU), see loader.py
+        # the LM head as a module of its own on the CPU: weight-only quantized, or packed (loader.py)
+        self.host_head: nn.Module | None = None
         self._host_layers: list[HostLayer] | None = None  # bound at the first CPU forward
 
     def host_layers(self) -> list[HostLayer]:
@@ -248,8 +249,8 @@ class LlamaModel(nn.Module):
         if logit_rows is not None:
             h, residual = h[logit_rows], residual[logit_rows]
         h, _ = self.norm.add_forward(h, residual)
-        if self.quant_head is not None:
-            return cast("torch.Tensor", self.quant_head(h)).float()
+        if self.host_head is not None:
+            return cast("torch.Tensor", self.host_head(h)).float()
         return self._whole_vocab(linear(h, self.lm_head_weight).float())
 
     def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from radixlm.runtime.distributed.group import TPGroup
+from radixlm.runtime.kernels.packed import DenseLinear, packs
 from radixlm.runtime.kernels.quant import GGUF_BLOCK_METHODS, QUANT_METHODS
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice
@@ -188,9 +189,25 @@ def build_model(
         if quant.method not in GGUF_BLOCK_METHODS:  # (made from the loaded weights: the file's blocks are not read)
             gguf = None
         quantize_linears(model, quant, dtype, GGUFLinears(gguf) if isinstance(gguf, Path) else gguf)
+    elif tp is None and packs(model.lm_head_weight):
+        pack_linears(model)
     model.eval().requires_grad_(False)
     model.init_rope(max_positions)
     return model
+
+
+def pack_linears(model: LlamaModel) -> None:
+    """Replace every layer's linear modules and the LM head by `DenseLinear`s, their weights packed
+    once for oneDNN (a bf16 model on a CPU that multiplies bf16 natively; the same products, bit for
+    bit, faster: radixlm.runtime.kernels.packed). The embedding keeps its own plain matrix."""
+    for layer in model.layers:
+        for ours in LAYER_LINEARS:
+            parent_name, _, leaf = ours.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            dense = getattr(parent, leaf)
+            setattr(parent, leaf, DenseLinear(dense.weight.data, None if dense.bias is None else dense.bias.data))
+    model.host_head = DenseLinear(model.lm_head_weight.data)
+    model.rebind()
 
 
 def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, gguf: GGUFLinears | None) -> None:
@@ -228,9 +245,9 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
 
     threads = 1 if gguf is not None else max(1, torch.get_num_threads())  # (GGUF blocks: numpy, one file)
     with ThreadPoolExecutor(threads) as pool:
-        quant_head = pool.submit(head)
+        host_head = pool.submit(head)
         built = list(pool.map(build, slots))
-        model.quant_head = quant_head.result()
+        model.host_head = host_head.result()
     for (_, ours, parent), new in zip(slots, built, strict=True):
         setattr(parent, ours.rpartition(".")[2], new)
     model.rebind()

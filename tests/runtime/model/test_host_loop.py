@@ -14,6 +14,7 @@ from radixlm.runtime.kernels.kv_pool import KVPool
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice
 from radixlm.runtime.model.llama import LlamaModel
+from radixlm.runtime.model import loader
 from radixlm.runtime.model.loader import build_model, quantize_linears
 
 ARCH = ModelArch(family="llama", vocab_size=96, hidden_size=128, intermediate_size=192, num_layers=3, num_heads=4,
@@ -47,7 +48,8 @@ def test_host_loop_equals_module_path(dtype):
     _both_paths(model, dtype)
 
 
-def test_host_loop_rebinds_after_quantization():
+def test_host_loop_rebinds_after_quantization(monkeypatch):
+    monkeypatch.setattr(loader, "packs", lambda weight: False)  # plain nn.Linear layers to quantize
     model = build_model(ARCH, None, torch.bfloat16, "cpu", max_positions=256, seed=1)
     dense = model.host_layers()[0].qkv
     quantize_linears(model, QuantChoice("q4", None, "test"), torch.bfloat16, None)

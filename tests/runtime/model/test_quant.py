@@ -144,7 +144,7 @@ def test_default_model_quantized_logits_and_greedy(default_source, smol_tokenize
     names = {"q4": "Int4Linear", "int8": "Int8Linear", "fp16": "Fp16Linear"}
     assert type(quant.layers[0].mlp.down_proj).__name__ == names[method]
     # (the head: the file's Q8_0 embedding stays int8 under q4)
-    assert type(quant.quant_head).__name__ == ("Int8Linear" if method == "q4" else names[method])
+    assert type(quant.host_head).__name__ == ("Int8Linear" if method == "q4" else names[method])
     for chat, answer in CHATS:
         ids = _ids(smol_tokenizer, chat)
         ref_out, ref_logits = _greedy(dense, smol_tokenizer, ids, 24)
