@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
-# Steps of more rows than this use the dense copy under --quantization auto: torch's int4 CPU
-# kernel is ~2x faster than a bf16 matmul at one row and slower from a few rows up
-# (benchmarks/quant_kernels.py, docs/benchmarks.md).
-AUTO_DENSE_ABOVE = 1
+# Steps of more rows than this use the dense copy under --quantization auto: in the default
+# model's decode steps (weights cold in memory, avx512_bf16 Zen 4) the int4 kernel beats the
+# packed bf16 copy up to 4 rows (2 concurrent requests 1.6x, 4 1.26x) and loses by 16 (0.75x);
+# benchmarks/quant_kernels.py and docs/benchmarks.md.
+AUTO_DENSE_ABOVE = 4
 
 
 @dataclass(frozen=True)
