@@ -1,10 +1,13 @@
 """Greedy constrained rows on the CPU draw first and mask only when the grammar forbids the drawn
-token (``mask_on_reject``): the outputs equal the mask-first engine's token for token, in mixed
-batches (two schemas, a regex, choices, free text, a sampled row) and alone, with and without
+token (``mask_on_reject``): the greedy outputs equal the mask-first engine's token for token, in
+mixed batches (two schemas, a regex, choices, free text, sampled rows) and alone, with and without
 jump-forward; most rows skip their mask."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from radixlm.runtime.engine import Engine
@@ -22,8 +25,7 @@ def engines():
     lazy = Engine(mask_on_reject=True, max_total_tokens=4096, dtype="float32")
     eager = Engine(mask_on_reject=False, max_total_tokens=4096, dtype="float32")
     # Grammars compile off the step loop, so a cold compile decides at which step a request joins
-    # the batch; a row's fp32 logits move by ~1e-6 with the batch's size, enough to flip the
-    # sampled row's draw. Compiled once here, every request joins at the first step in both.
+    # the batch; compiled once here, every request joins at the first step in both engines.
     for engine in (lazy, eager):
         for jump in (True, False):
             prompts, params = _batch(jump)
@@ -63,7 +65,14 @@ def test_outputs_equal_the_mask_first_engine(engines, jump_forward):
     skipped = lazy.core.grammar.masks_skipped
     got = [_strip(o) for o in lazy.generate(prompts, params)]
     ref = [_strip(o) for o in eager.generate(prompts, params)]
-    assert got == ref
+    greedy = [i for i, p in enumerate(params) if p["temperature"] == 0]
+    assert [got[i] for i in greedy] == [ref[i] for i in greedy]
+    # The sampled rows are masked first in both engines; their draws are not compared token for
+    # token: a seeded draw on a flat distribution flips when a logit moves by ~1e-6, and the fp32
+    # logits of a row move that much with the step's rows (measured: the sampled person's city drew
+    # "Oslocia", "Oslohia" and "Oslobacuco" in different runs of one engine pair). It stays valid.
+    person = json.loads(got[4][0])
+    assert got[4][3]["type"] == "stop" and jsonschema.validate(person, PERSON) is None
     assert lazy.core.grammar.masks_skipped - skipped >= 10
     assert eager.core.grammar.masks_skipped == 0
     alone = [_strip(lazy.generate(p, q)) for p, q in zip(prompts[:4], params[:4])]
