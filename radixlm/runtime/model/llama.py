@@ -23,6 +23,7 @@ from radixlm.runtime.distributed.group import TPGroup
 from radixlm.runtime.distributed.layers import RowParallelLinear, VocabParallelEmbedding, gather_logits
 from radixlm.runtime.distributed.sharding import ShardPlan
 from radixlm.runtime.kernels.attention import AttentionBackend
+from radixlm.runtime.kernels.packed import DenseLinear
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
 
@@ -218,6 +219,11 @@ class LlamaModel(nn.Module):
 
     def rebind(self) -> None:
         self._host_layers = None
+
+    def packed_weights(self) -> int:
+        """How many weight matrices (layers, LM head, quantized layers' dense copies) are packed
+        for oneDNN (radixlm.runtime.kernels.packed)."""
+        return sum(1 for m in self.modules() if isinstance(m, DenseLinear) and m.packed is not None)
 
     def init_rope(self, max_positions: int) -> None:
         self.rope = RotaryEmbedding(self.arch, max_positions, self.embed_tokens.weight.device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from server_harness import start_server
 
+from radixlm.runtime.kernels.packed import packing_available
 from radixlm.runtime.model.formats import choose_dtype, choose_quantization, cpu_flags
 
 pytestmark = pytest.mark.slow
@@ -23,6 +24,10 @@ def test_auto_formats_reported_and_served():
             assert (engine["dtype"], engine["dtype_reason"]) == (expected.dtype, expected.reason)
             assert (engine["quantization"], engine["quantization_reason"]) == (quant.method, quant.reason)
             assert engine["quant_dense_above"] == quant.dense_above
+            # q4 in bf16 keeps a dense copy of each of the 30 layers' 4 matrices, packed where oneDNN
+            # multiplies bf16 (the head stays int8 and keeps its dense copy too); fp32 packs none
+            packed = 30 * 4 + 1 if expected.dtype == "bfloat16" and packing_available() else 0
+            assert engine["packed_weights"] == packed
             assert info["engine_config"]["model"]["dtype"] == "auto"
         assert server.get("/get_model_info")[1]["dtype"] == expected.dtype
         out = server.generate({"text": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
@@ -34,3 +39,4 @@ def test_auto_formats_reported_and_served():
         assert server.stop() == 0
     assert f"dtype {expected.dtype}: {expected.reason}" in log
     assert f"quantization {quant.method}: {quant.reason}" in log
+    assert ("packed once for oneDNN" in log) == (packed > 0)
