@@ -3,6 +3,8 @@
 For each weight [N, K] of SmolLM2-135M (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536,
 LM head 49152x576) and M = 1, 16, 64 rows, times y = x @ W^T with:
 - bf16 / fp32 dense `F.linear`,
+- bf16 dense with the weight packed once for oneDNN (`DenseLinear`, radixlm.runtime.kernels.packed:
+  what a dense bf16 layer and the dense copy of a quantized one run where oneDNN multiplies bf16),
 - int8 weight-only, per-channel scales (`torch.ops.aten._weight_int8pack_mm`),
 - int4 weight-only, group 32 scales and zero points (`_weight_int4pack_mm_for_cpu` on weights
   packed by `_convert_weight_to_int4pack_for_cpu`; the GGUF Q4_0/Q4_1 layout),
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from radixlm.runtime.kernels.packed import DenseLinear, packs
 from radixlm.runtime.kernels.quant import fp16_available
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -78,6 +81,8 @@ def kernels(n: int, k: int, act: torch.dtype, compile_: bool) -> dict[str, Calla
         "int4pack_g32": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz),
         "int8_dequant_mm": dequant_mm,
     }
+    if packs(dense):
+        out["dense_packed"] = DenseLinear(dense)
     if act == torch.float32 and fp16_available():  # (FBGEMM: x86 with AVX2)
         fp16 = torch.ops.quantized.linear_prepack_fp16(w, None)
         out["fbgemm_fp16"] = lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fp16)
