@@ -126,7 +126,6 @@ class EngineCore:
                 0, tp_size, self.workers.init_file, self.device, config.parallel.dist_timeout)
             self.formats = number_formats(config, self.source, self.device)
             self.model, self.runner = build_runner(config, self.source, self.device, group, self.formats)
-            self.packed_weights = self.model.packed_weights()
         except BaseException:
             if self.workers is not None:
                 self.workers.stop(grace_s=0)
@@ -189,7 +188,7 @@ class EngineCore:
             "quantization": self.formats.quant.method,
             "quantization_reason": self.formats.quant.reason,
             "quant_dense_above": self.formats.quant.dense_above,
-            "packed_weights": self.packed_weights,
+            "packed_weights": self.model.packed_weights(),
             "device": str(self.device),
             "tp_size": self.config.parallel.tp_size,
             "tp_worker_pids": [] if self.workers is None else self.workers.pids,

@@ -200,14 +200,18 @@ def pack_linears(model: LlamaModel) -> None:
     """Replace every layer's linear modules and the LM head by `DenseLinear`s, their weights packed
     once for oneDNN (a bf16 model on a CPU that multiplies bf16 natively; the same products, bit for
     bit, faster: radixlm.runtime.kernels.packed). The embedding keeps its own plain matrix."""
-    for layer in model.layers:
-        for ours in LAYER_LINEARS:
-            parent_name, _, leaf = ours.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            dense = getattr(parent, leaf)
-            setattr(parent, leaf, DenseLinear(dense.weight.data, None if dense.bias is None else dense.bias.data))
+    for _, ours, parent in _linear_slots(model):
+        leaf = ours.rpartition(".")[2]
+        dense = getattr(parent, leaf)
+        setattr(parent, leaf, DenseLinear(dense.weight.data, None if dense.bias is None else dense.bias.data))
     model.host_head = DenseLinear(model.lm_head_weight.data)
     model.rebind()
+
+
+def _linear_slots(model: LlamaModel) -> list[tuple[int, str, torch.nn.Module]]:
+    """(layer index, linear name as in LAYER_LINEARS, the module holding it) for every layer's linears."""
+    return [(i, ours, layer.get_submodule(ours.rpartition(".")[0])) for i, layer in enumerate(model.layers)
+            for ours in LAYER_LINEARS]
 
 
 def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, gguf: GGUFLinears | None) -> None:
@@ -222,8 +226,7 @@ def quantize_linears(model: LlamaModel, quant: QuantChoice, dtype: torch.dtype, 
     if quant.method not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {quant.method!r}; choose one of none, {', '.join(sorted(QUANT_METHODS))}")
     keep = quant.dense_above is not None
-    slots = [(i, ours, layer.get_submodule(ours.rpartition(".")[0])) for i, layer in enumerate(model.layers)
-             for ours in LAYER_LINEARS]
+    slots = _linear_slots(model)
 
     def build(slot: tuple[int, str, nn.Module]) -> nn.Module:
         i, ours, parent = slot
