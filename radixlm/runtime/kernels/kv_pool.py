@@ -56,6 +56,8 @@ class KVPool:
             self.k[:, 0].zero_()  # and the padding slot 0, where a padded index points
             self.v[:, 0].zero_()
         self.num_slots = num_slots
+        # each layer's K and V as views, indexed once here rather than twice a layer every step
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     @staticmethod
     def bytes_per_token(arch: KVShape, dtype: torch.dtype) -> int:
@@ -66,10 +68,10 @@ class KVPool:
         if k.is_cuda:  # one kernel for both instead of two index copies
             from radixlm.runtime.kernels import fused
 
-            fused.store_kv(self.k[layer], self.v[layer], slots, k, v)
+            fused.store_kv(self.k_layers[layer], self.v_layers[layer], slots, k, v)
             return
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k_layers[layer].index_copy_(0, slots, k)
+        self.v_layers[layer].index_copy_(0, slots, v)
 
 
 def activation_reserve(arch: ActivationShape, dtype: torch.dtype, max_tokens: int, max_logit_rows: int) -> int:

@@ -48,6 +48,12 @@ class WeightOnlyLinear(nn.Module):
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def row_product(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The quantized product alone, for a [rows, K] input (no bias): what `forward` runs for
+        a step of at most `dense_above` rows, without its checks, for the CPU loop's decode
+        steps (a call saved on each of 120 products a step in the default model)."""
+        return self.quantized_mm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None and x.dim() == 2 and (self.dense_above is None or x.shape[0] <= self.dense_above):
             return self.quantized_mm(x.contiguous())  # the decode step's case, in fewest ops
@@ -68,6 +74,8 @@ class Int8Linear(WeightOnlyLinear):
     """int8 weights with one scale per output row (symmetric), `_weight_int8pack_mm`."""
 
     method = "int8"
+    qweight: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                  dense: torch.Tensor | None = None, dense_above: int | None = None) -> None:
@@ -76,8 +84,11 @@ class Int8Linear(WeightOnlyLinear):
         self.register_buffer("scales", scales.contiguous())
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        return out
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def row_product(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        qweight, scales, mm = self.qweight, self.scales, torch._weight_int8pack_mm
+        return lambda x: mm(x.contiguous(), qweight, scales)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -93,6 +104,8 @@ class Int4Linear(WeightOnlyLinear):
     """4-bit weights in groups of 32 along K, w = (q - 8) * scale + zero, `_weight_int4pack_mm_for_cpu`."""
 
     method = "q4"
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype,
                  bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
@@ -109,8 +122,11 @@ class Int4Linear(WeightOnlyLinear):
         self.register_buffer("scales_zeros", torch.stack([scales.T, zeros.T], -1).to(dtype).contiguous())
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
-        return out
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+    def row_product(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        packed, scales_zeros, mm = self.packed, self.scales_zeros, torch._weight_int4pack_mm_for_cpu
+        return lambda x: mm(x.contiguous(), packed, GROUP, scales_zeros)
 
     @classmethod
     def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,

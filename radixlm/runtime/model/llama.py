@@ -11,6 +11,7 @@ loop over the layers' bound modules (`LlamaModel._forward_host`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -24,15 +25,26 @@ from radixlm.runtime.distributed.layers import RowParallelLinear, VocabParallelE
 from radixlm.runtime.distributed.sharding import ShardPlan
 from radixlm.runtime.kernels.attention import AttentionBackend
 from radixlm.runtime.kernels.packed import DenseLinear
+from radixlm.runtime.kernels.quant import WeightOnlyLinear
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
 
 
 def host_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm off CUDA: normalise in fp32, scale in the model dtype (HF's order, so bf16
-    results match). In fp32 the scale is one op with the norm, bit for bit the same product."""
+    """RMSNorm off CUDA: normalise in fp32, scale in the model dtype (HF's order).
+
+    In fp32, `F.rms_norm` with the weight. In bf16 the norm is LayerNorm's fused kernel over
+    [x, -x]: that row's mean is zero and its variance is mean(x^2), so its first half is
+    x / sqrt(mean(x^2) + eps), computed in fp32 and rounded once to bf16, as HF's RMSNorm rounds
+    it; ~10 instead of ~16 us a call at one row (`F.rms_norm` runs as six separate ops on the
+    CPU), 61 calls a step in the default model. The results equal HF's formula except a few
+    elements in 10^5 (at most 1 in 10^3), each one bf16 step apart: the kernel's fp32 mean and
+    variance round differently (tests/runtime/model/test_host_rms_norm.py)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
+    if x.dtype == torch.bfloat16:
+        n = x.shape[-1]
+        return weight * F.layer_norm(torch.cat([x, x.neg()], -1), (2 * n,), None, None, eps)[..., :n]
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
@@ -148,28 +160,44 @@ class DecoderLayer(nn.Module):
         _add_rows(mlp.down_proj, gate_up, stream, silu_mul=True)
 
 
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _few_rows_call(module: nn.Module) -> tuple[Linear, int]:
+    """A linear layer's call for the CPU loop's steps of few rows, and up to how many rows it
+    holds: a weight-only quantized layer's kernel alone up to its `dense_above` (any rows
+    without a dense copy), else the layer's own `forward` (any rows)."""
+    if isinstance(module, WeightOnlyLinear) and module.bias is None:
+        rows = sys.maxsize if module.dense_above is None else module.dense_above
+        return module.row_product(), rows
+    return module.forward, sys.maxsize
+
+
 @dataclass(frozen=True)
 class HostLayer:
-    """A decoder layer's norm weights and linear layers' `forward`s, bound once, for the CPU loop
-    (`LlamaModel._forward_host`): calling a bound `forward` skips nn.Module's call machinery
-    and attribute lookups, ~0.8 ms of a 13 ms batch-1 step of the default model (30 layers, 2
-    threads)."""
+    """A decoder layer's norm weights and linear layers (q/k/v, o, gate/up, down) bound once for
+    the CPU loop (`LlamaModel._forward_host`): calling a bound `forward` skips nn.Module's call
+    machinery and attribute lookups, ~0.8 ms of a 13 ms batch-1 step of the default model (30
+    layers, 2 threads). `few` are the same four products for steps of at most `few_rows` rows,
+    where a quantized layer's kernel is called directly."""
 
     index: int
     norm1: torch.Tensor
     eps1: float
-    qkv: Callable[[torch.Tensor], torch.Tensor]
-    o: Callable[[torch.Tensor], torch.Tensor]
     norm2: torch.Tensor
     eps2: float
-    gate_up: Callable[[torch.Tensor], torch.Tensor]
-    down: Callable[[torch.Tensor], torch.Tensor]
+    linears: tuple[Linear, Linear, Linear, Linear]
+    few: tuple[Linear, Linear, Linear, Linear]
+    few_rows: int
 
     @classmethod
     def of(cls, layer: DecoderLayer) -> HostLayer:
         attn, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-        return cls(attn.layer, ln1.weight, ln1.eps, attn.qkv_proj.forward, attn.o_proj.forward, ln2.weight, ln2.eps,
-                   mlp.gate_up_proj.forward, mlp.down_proj.forward)
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        few = [_few_rows_call(m) for m in modules]
+        return cls(attn.layer, ln1.weight, ln1.eps, ln2.weight, ln2.eps,
+                   (modules[0].forward, modules[1].forward, modules[2].forward, modules[3].forward),
+                   (few[0][0], few[1][0], few[2][0], few[3][0]), min(rows for _, rows in few))
 
 
 def _add_rows(layer: nn.Linear, x: torch.Tensor, stream: torch.Tensor, silu_mul: bool = False) -> None:
@@ -282,14 +310,16 @@ class LlamaModel(nn.Module):
         a = self.shard
         qk_heads = a.num_heads + a.num_kv_heads
         residual = h  # the embeddings: the stream is then updated in place
+        rows = h.shape[0]
         for layer in self.host_layers():
+            qkv_proj, o_proj, gate_up_proj, down_proj = layer.few if rows <= layer.few_rows else layer.linears
             x = host_rms_norm(h if layer.index == 0 else residual.add_(h), layer.norm1, layer.eps1)
-            qkv = layer.qkv(x)
-            heads = qkv.view(qkv.shape[0], qk_heads + a.num_kv_heads, a.head_dim)  # q, k, v heads
+            qkv = qkv_proj(x)
+            heads = qkv.view(rows, qk_heads + a.num_kv_heads, a.head_dim)  # q, k, v heads
             q, k = rotary.apply(heads[:, :qk_heads], a.num_heads)
-            residual.add_(layer.o(backend.forward(layer.index, q, k, heads[:, qk_heads:])))
-            gate, up = layer.gate_up(host_rms_norm(residual, layer.norm2, layer.eps2)).chunk(2, dim=-1)
-            h = layer.down(F.silu(gate).mul_(up))
+            residual.add_(o_proj(backend.forward(layer.index, q, k, heads[:, qk_heads:])))
+            gate, up = gate_up_proj(host_rms_norm(residual, layer.norm2, layer.eps2)).chunk(2, dim=-1)
+            h = down_proj(F.silu(gate).mul_(up))
         return h, residual
 
     def _forward_rows(self, h: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend,

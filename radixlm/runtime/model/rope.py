@@ -78,8 +78,7 @@ class RotaryBatch:
             q, k = qk[:, :num_heads], qk[:, num_heads:]
             fused.rotary_(q, k, self.positions, self.cos, self.sin)
             return q, k
-        t, heads, d = qk.shape
-        swapped = qk.reshape(t, heads, 2, d // 2).flip(2).view(t, heads, d)
+        swapped = qk.roll(qk.shape[-1] // 2, -1)  # the two halves exchanged
         rotated = qk * self.cos + swapped * self.sin
         return rotated[:, :num_heads], rotated[:, num_heads:]
 

@@ -5,16 +5,19 @@ loop had bound the dense ones."""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import pytest
 import torch
 
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
 from radixlm.runtime.kernels.kv_pool import KVPool
+from radixlm.runtime.model import loader
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice
 from radixlm.runtime.model.llama import LlamaModel
-from radixlm.runtime.model import loader
 from radixlm.runtime.model.loader import build_model, quantize_linears
 
 ARCH = ModelArch(family="llama", vocab_size=96, hidden_size=128, intermediate_size=192, num_layers=3, num_heads=4,
@@ -48,10 +51,20 @@ def test_host_loop_equals_module_path(dtype):
     _both_paths(model, dtype)
 
 
-def test_host_loop_rebinds_after_quantization(monkeypatch):
+@pytest.mark.parametrize("attention_bias", [True, False])
+@pytest.mark.parametrize("dense_above", [None, 4])
+def test_host_loop_rebinds_after_quantization(monkeypatch, attention_bias, dense_above):
+    """Quantized layers swapped in after the loop bound the dense ones; steps of at most
+    `dense_above` rows call the int4 kernel directly (`few`), longer ones the layer's forward
+    (here its dense copy), and a layer with a bias always its forward."""
     monkeypatch.setattr(loader, "packs", lambda weight: False)  # plain nn.Linear layers to quantize
-    model = build_model(ARCH, None, torch.bfloat16, "cpu", max_positions=256, seed=1)
-    dense = model.host_layers()[0].qkv
-    quantize_linears(model, QuantChoice("q4", None, "test"), torch.bfloat16, None)
-    assert model.host_layers()[0].qkv != dense  # bound to the quantized layer now
+    arch = dataclasses.replace(ARCH, attention_bias=attention_bias)
+    model = build_model(arch, None, torch.bfloat16, "cpu", max_positions=256, seed=1)
+    dense = model.host_layers()[0].linears[0]
+    quantize_linears(model, QuantChoice("q4", dense_above, "test"), torch.bfloat16, None)
+    layer = model.host_layers()[0]
+    assert layer.linears[0] != dense  # bound to the quantized layer now
+    assert layer.few_rows == (sys.maxsize if dense_above is None else dense_above)
+    assert layer.few[1] != layer.linears[1]  # o: the kernel alone
+    assert (layer.few[0] == layer.linears[0]) == attention_bias  # q/k/v with a bias: its forward
     _both_paths(model, torch.bfloat16)

@@ -68,7 +68,7 @@ class TorchAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         self.pool.write(layer, meta.out_slots, k, v)
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        k_cache, v_cache = self.pool.k_layers[layer], self.pool.v_layers[layer]
         if self.decode_only:
             return self._decode(q[self.decode_tokens], k_cache, v_cache).reshape(q.shape[0], -1)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)

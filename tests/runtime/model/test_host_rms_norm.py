@@ -1,0 +1,53 @@
+"""The CPU RMSNorm (`host_rms_norm`) against HF's formula: bf16 through LayerNorm's kernel over
+[x, -x], fp32 as `F.rms_norm`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.runtime.model.llama import host_rms_norm
+
+
+def _hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward."""
+    h = x.float()
+    variance = h.pow(2).mean(-1, keepdim=True)
+    return weight * (h * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("size", [64, 576, 4096])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_bf16_norm_matches_hf(size, rows):
+    gen = torch.Generator().manual_seed(size + rows)
+    differ = total = 0
+    for i in range(40):
+        scale = 10 ** (torch.rand((), generator=gen).item() * 5 - 3)  # 1e-3 .. 1e2
+        x = torch.randn(rows, size, generator=gen) * scale
+        x[:, torch.randint(0, size, (2,), generator=gen)] *= 50  # outlier channels, as real hidden states have
+        x = x.bfloat16()
+        weight = (1 + 0.3 * torch.randn(size, generator=gen)).bfloat16()
+        eps = 1e-5 if i % 2 else 1e-6
+        ours, ref = host_rms_norm(x, weight, eps), _hf(x, weight, eps)
+        assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
+        # where they differ, by one bf16 step of the normalised value (times the weight)
+        step = (ref.float().abs() * 2**-7).clamp_min(1e-30)
+        assert ((ours.float() - ref.float()).abs() <= step * 1.01 + 1e-30).all()
+        differ += int((ours != ref).sum())
+        total += ours.numel()
+    assert differ <= max(2, total // 1000), f"{differ} of {total} elements differ from HF's RMSNorm"
+
+
+def test_bf16_norm_of_a_view_and_zero_rows():
+    x = torch.randn(3, 128).bfloat16()
+    weight = torch.ones(64).bfloat16()
+    half = x[:, 32:96]  # a strided view, as the residual stream's slices are
+    assert torch.allclose(host_rms_norm(half, weight, 1e-5).float(), _hf(half, weight, 1e-5).float(), rtol=1e-2)
+    zeros = torch.zeros(2, 64).bfloat16()
+    assert torch.equal(host_rms_norm(zeros, weight, 1e-5), zeros)  # eps keeps 0 / sqrt(0 + eps) finite
+
+
+def test_fp32_norm_is_f_rms_norm():
+    x, weight = torch.randn(5, 96), torch.randn(96)
+    assert torch.equal(host_rms_norm(x, weight, 1e-6), F.rms_norm(x, (96,), weight, 1e-6))
