@@ -51,8 +51,10 @@ class WeightOnlyLinear(nn.Module):
     def row_product(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The quantized product alone, for a [rows, K] input (no bias): what `forward` runs for
         a step of at most `dense_above` rows, without its checks, for the CPU loop's decode
-        steps (a call saved on each of 120 products a step in the default model)."""
-        return self.quantized_mm
+        steps (a call saved on each of 120 products a step in the default model). Quantized
+        layers never shard over --tp-size, so no all-reduce is skipped."""
+        mm = self.quantized_mm
+        return lambda x: mm(x.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None and x.dim() == 2 and (self.dense_above is None or x.shape[0] <= self.dense_above):
