@@ -20,6 +20,7 @@ moves with the batch size by ~1e-6, as a fp32 matmul's does.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -48,19 +49,25 @@ class WeightOnlyLinear(nn.Module):
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def kernel_rows(self) -> int:
+        """Up to how many rows `forward` multiplies with the quantized kernel: `dense_above`, or
+        any number without a dense copy."""
+        return sys.maxsize if self.dense_above is None else self.dense_above
+
     def row_product(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The quantized product alone, for a [rows, K] input (no bias): what `forward` runs for
-        a step of at most `dense_above` rows, without its checks, for the CPU loop's decode
+        a step of at most `kernel_rows` rows, without its checks, for the CPU loop's decode
         steps (a call saved on each of 120 products a step in the default model). Quantized
         layers never shard over --tp-size, so no all-reduce is skipped."""
         mm = self.quantized_mm
         return lambda x: mm(x.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and x.dim() == 2 and (self.dense_above is None or x.shape[0] <= self.dense_above):
+        if self.bias is None and x.dim() == 2 and x.shape[0] <= self.kernel_rows:
             return self.quantized_mm(x.contiguous())  # the decode step's case, in fewest ops
         rows = x.reshape(-1, self.in_features)
-        if self.dense is not None and self.dense_above is not None and rows.shape[0] > self.dense_above:
+        if self.dense is not None and rows.shape[0] > self.kernel_rows:
             out: torch.Tensor = self.dense.forward(x)  # (a hot path: without nn.Module's call machinery)
             return out
         y = self.quantized_mm(rows.contiguous())

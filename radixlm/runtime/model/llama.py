@@ -165,11 +165,10 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 def _few_rows_call(module: nn.Module) -> tuple[Linear, int]:
     """A linear layer's call for the CPU loop's steps of few rows, and up to how many rows it
-    holds: a weight-only quantized layer's kernel alone up to its `dense_above` (any rows
-    without a dense copy), else the layer's own `forward` (any rows)."""
+    holds: a weight-only quantized layer's kernel alone up to its `kernel_rows`, else the
+    layer's own `forward` (any rows)."""
     if isinstance(module, WeightOnlyLinear) and module.bias is None:
-        rows = sys.maxsize if module.dense_above is None else module.dense_above
-        return module.row_product(), rows
+        return module.row_product(), module.kernel_rows
     return module.forward, sys.maxsize
 
 
@@ -186,18 +185,17 @@ class HostLayer:
     eps1: float
     norm2: torch.Tensor
     eps2: float
-    linears: tuple[Linear, Linear, Linear, Linear]
-    few: tuple[Linear, Linear, Linear, Linear]
+    linears: tuple[Linear, ...]
+    few: tuple[Linear, ...]
     few_rows: int
 
     @classmethod
     def of(cls, layer: DecoderLayer) -> HostLayer:
         attn, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        few = [_few_rows_call(m) for m in modules]
-        return cls(attn.layer, ln1.weight, ln1.eps, ln2.weight, ln2.eps,
-                   (modules[0].forward, modules[1].forward, modules[2].forward, modules[3].forward),
-                   (few[0][0], few[1][0], few[2][0], few[3][0]), min(rows for _, rows in few))
+        few, rows = zip(*(_few_rows_call(m) for m in modules))
+        return cls(attn.layer, ln1.weight, ln1.eps, ln2.weight, ln2.eps, tuple(m.forward for m in modules), few,
+                   min(rows))
 
 
 def _add_rows(layer: nn.Linear, x: torch.Tensor, stream: torch.Tensor, silu_mul: bool = False) -> None:
