@@ -366,7 +366,10 @@ class EngineCore:
             off += k
         if not samplers:
             return StepRun(scheduled, [], logits[:0, 0].long(), lambda: [])
-        logits = logits[self.runner.to_device(rows)]  # a non-blocking index: masks fill while the forward runs
+        if len(rows) < logits.shape[0] or logits.device.type != "cpu":
+            # a non-blocking index: masks fill while the forward runs (on CUDA a copy also when
+            # every row samples: the logits may live in a CUDA graph's output, which the next step overwrites)
+            logits = logits[self.runner.to_device(rows)]
         failed, tokens = self._mask_and_sample(logits, samplers)
         ended = tuple(self.output.fail(req, error) for req, error in failed)
         want_lp = any(r.return_logprob for r in samplers)

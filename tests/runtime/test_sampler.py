@@ -8,6 +8,7 @@ from radixlm.runtime.kernels.sampling import (
     apply_penalties_and_blocks,
     filtered_probs,
     make_generator,
+    row_argmax,
     sample,
 )
 from radixlm.runtime.sampling_params import SamplingParams as SP
@@ -42,6 +43,18 @@ def test_greedy_is_argmax_and_costs_nothing_else():
     assert out.logprobs is None and out.top_logprobs is None
     bf = logits.to(torch.bfloat16)
     assert sample(bf, batch).token_ids == bf.float().argmax(-1).tolist()
+
+
+def test_row_argmax_is_torchs_argmax_on_ties_nan_views_and_dtypes():
+    """The CPU's numpy argmax gives torch's answer: the first maximum, the first NaN, any strides."""
+    x = rand_logits(5, 49152)
+    x[1, 7] = x[1, 9] = x[1, 40000] = 100.0  # ties: the first
+    x[2, 3], x[2, 5] = float("nan"), 1e9  # a NaN wins, as in torch
+    x[3] = float("-inf")  # all blocked: index 0
+    for t in (x, x[:, ::3], x[1:4], x.T.contiguous().T, x.bfloat16(), x.double()):
+        got = row_argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1)), t.dtype
+    assert row_argmax(x[:0]).shape == (0,)
 
 
 def test_top_k_1_is_argmax():

@@ -373,6 +373,15 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return out
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a (B, V) tensor. On the CPU in fp32 through numpy, whose argmax is
+    vectorized: torch's took ~75 us a row of the default model's 49k logits, numpy's ~6 us
+    (2-core Zen 4). Both give the first index of the maximum (of a NaN, if any)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return x.argmax(dim=-1)
+
+
 def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Draw one token per row of ``logits`` (B, V), fp32 or bf16: a (B,) int64 tensor on the
     logits' device. Queues device work only, no host sync."""
@@ -386,9 +395,9 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         )
     if not batch.need_penalties and batch.block_rows is None and batch.bias_rows is None and batch.all_greedy:
         # Fast path: argmax is exact in the input dtype, no cast needed.
-        return logits.argmax(dim=-1)
+        return row_argmax(logits)
     x = apply_penalties_and_blocks(logits, batch)
-    tokens = x.argmax(dim=-1)
+    tokens = row_argmax(x)
     if not batch.all_greedy:
         _sample_rows(x, batch, tokens)
     return tokens

@@ -3,20 +3,23 @@
 4-bit blocks (Q4_0, Q4_1, Q4_K) become int4 layers without a float round trip: each block of 32
 weights is w = scale * q + minimum with q in 0..15 (Q4_0: minimum = -8 * scale; Q4_K: per
 32-weight sub-block, scale = d * sc and minimum = -dmin * m from its 6-bit scales), which is
-the int4 kernel's own form. Other tensors (Q8_0, Q6_K, F16, ...) are dequantized to fp32 by the
-`gguf` package and quantized to int8 per row, keeping the precision their author chose.
+the int4 kernel's own form. Q8_0 blocks (w = d * q, q in -128..127; the default model's
+embedding and LM head) run as two 4-bit halves of the same kernel (`Int8BlockLinear`). Other
+tensors (Q6_K, F16, ...) are dequantized to fp32 by the `gguf` package and quantized to int8 per
+row, keeping the precision their author chose.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from radixlm.runtime.kernels.quant import Int4Linear, Int8Linear, WeightOnlyLinear
+from radixlm.runtime.kernels.quant import Int4Linear, Int8BlockLinear, Int8Linear, WeightOnlyLinear
 from radixlm.runtime.model.gguf_convert import _unpermute_rope_rows
 
 # our fused layer -> the GGUF tensors it stacks (rows in this order)
@@ -27,6 +30,7 @@ _LAYER_PARTS = {
     "mlp.down_proj": ("ffn_down",),
 }
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+Q8_0_BYTES = 34  # a Q8_0 block: an f16 scale, then 32 int8 weights
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -62,6 +66,21 @@ def four_bit_blocks(kind: str, data: np.ndarray, n: int, k: int) -> tuple[np.nda
     raise ValueError(f"{kind} is not a 4-bit GGUF type ({', '.join(FOUR_BIT)})")
 
 
+def q8_0_blocks(kind: str, data: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q [n, k] int8, scale [n, k/32]) of a Q8_0 tensor's raw bytes: w = scale * q per 32 weights."""
+    if kind != "Q8_0":
+        raise ValueError(f"{kind} is not Q8_0")
+    raw = data.reshape(n, k // 32, Q8_0_BYTES)
+    return np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k), _f16(raw[..., 0:2])
+
+
+def _dequantized(kind: str, data: np.ndarray, n: int, k: int) -> tuple[np.ndarray]:
+    """Any GGUF type's raw bytes as fp32 [n, k], by the `gguf` package."""
+    import gguf
+
+    return (gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).astype(np.float32).reshape(n, k),)
+
+
 class GGUFLinears:
     """The linear weights of one Llama GGUF file, by layer, as quantized modules."""
 
@@ -91,34 +110,31 @@ class GGUFLinears:
             out.append((name, t))
         return out
 
+    def _stacked(self, parts: list[tuple[str, Any]],
+                 decode: Callable[[str, np.ndarray, int, int], tuple[np.ndarray, ...]]) -> list[torch.Tensor]:
+        """decode(kind, raw bytes, n, k)'s arrays for each tensor of `parts`, rows in HF's order
+        (llama.cpp interleaves Q/K's RoPE rows), stacked along the rows."""
+        stacks = []
+        for name, t in parts:
+            k, n = (int(d) for d in t.shape)
+            arrays = decode(t.tensor_type.name, np.asarray(t.data), n, k)
+            heads = self.permute.get(name.split(".")[-2])
+            stacks.append(arrays if heads is None else tuple(_unpermute_rope_rows(a, heads) for a in arrays))
+        return [torch.from_numpy(np.concatenate(column)) for column in zip(*stacks, strict=True)]
+
     def build(self, names: list[str], method: str, dtype: torch.dtype, dense_above: int | None) -> WeightOnlyLinear:
         """One layer whose weight stacks the rows of the GGUF tensors `names`."""
-        import gguf
-
         parts = self._parts(names)
         keep = dense_above is not None
         kinds = {t.tensor_type.name for _, t in parts}
         if method == "q4" and kinds <= set(FOUR_BIT):
-            qs, scales, mins = [], [], []
-            for name, t in parts:
-                k, n = (int(d) for d in t.shape)
-                q, s, m = four_bit_blocks(t.tensor_type.name, np.asarray(t.data), n, k)
-                heads = self.permute.get(name.split(".")[-2])
-                if heads is not None:  # llama.cpp's interleaved-RoPE row order back to HF's
-                    q, s, m = (_unpermute_rope_rows(a, heads) for a in (q, s, m))
-                qs.append(q)
-                scales.append(s)
-                mins.append(m)
-            return Int4Linear.from_affine(
-                torch.from_numpy(np.concatenate(qs)).to(torch.int32), torch.from_numpy(np.concatenate(scales)),
-                torch.from_numpy(np.concatenate(mins)), dtype, keep_dense=keep, dense_above=dense_above)
-        rows = []
-        for name, t in parts:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
-                [int(d) for d in reversed(t.shape)])
-            heads = self.permute.get(name.split(".")[-2])
-            rows.append(_unpermute_rope_rows(w, heads) if heads is not None else w)
-        weight = torch.from_numpy(np.ascontiguousarray(np.concatenate(rows)))
+            q, scale, minimum = self._stacked(parts, four_bit_blocks)
+            return Int4Linear.from_affine(q.to(torch.int32), scale, minimum, dtype, keep_dense=keep,
+                                          dense_above=dense_above)
+        if method == "q4" and kinds == {"Q8_0"}:
+            q, scale = self._stacked(parts, q8_0_blocks)
+            return Int8BlockLinear.from_blocks(q, scale, dtype, keep_dense=keep, dense_above=dense_above)
+        (weight,) = self._stacked(parts, _dequantized)
         return Int8Linear.from_float(weight, dtype, keep_dense=keep, dense_above=dense_above)
 
     def layer(self, index: int, ours: str, method: str, dtype: torch.dtype,

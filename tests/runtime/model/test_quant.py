@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.runtime.batch import SeqStep
-from radixlm.runtime.kernels.quant import Fp16Linear, Int4Linear, Int8Linear, fp16_available
+from radixlm.runtime.kernels.quant import Fp16Linear, Int4Linear, Int8BlockLinear, Int8Linear, fp16_available
 from radixlm.runtime.model.formats import QuantChoice
-from radixlm.runtime.model.gguf_quant import four_bit_blocks
+from radixlm.runtime.model.gguf_quant import four_bit_blocks, q8_0_blocks
 from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model_runner import ModelRunner
 
@@ -56,6 +56,59 @@ def test_int4_linear_from_blocks_equals_dequantized_product(kind, dtype):
     # bf16: the activations, scales and zero points are rounded to 8 bits of mantissa
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert (got - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+def _q8_0_bytes(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random raw bytes of a [n, k] Q8_0 tensor, every int8 value (-128 too) and block scales
+    over three orders of magnitude (a per-row scale would lose the small blocks)."""
+    raw = rng.integers(0, 256, (n, k // 32, 34), dtype=np.uint8)
+    raw[..., 0:2] = (10.0 ** rng.uniform(-4, -1, (n, k // 32, 1))).astype(np.float16).view(np.uint8)
+    raw[0, 0, 2:] = np.arange(-128, -96, dtype=np.int8).view(np.uint8)
+    raw[0, 1, 2:] = np.arange(96, 128, dtype=np.int8).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def test_q8_0_blocks_match_gguf_dequantize():
+    n, k = 6, 256
+    data = _q8_0_bytes(n, k, np.random.default_rng(2))
+    q, scale = q8_0_blocks("Q8_0", data, n, k)
+    assert q.dtype == np.int8 and q.min() == -128 and q.max() == 127 and scale.shape == (n, k // 32)
+    ours = (q.reshape(n, k // 32, 32) * scale[..., None]).reshape(n, k)
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0).reshape(n, k))
+    with pytest.raises(ValueError, match="not Q8_0"):
+        q8_0_blocks("Q4_1", data, n, k)
+
+
+def test_int8_blocks_as_two_int4_halves_are_the_blocks_weights_and_product():
+    """The int4 kernel over [x, x] and the 4-bit halves of each int8 weight multiplies by the
+    file's Q8_0 weights: each within one step of its block (~0.1 step on average; the scales, the
+    halves and the output are rounded to bf16), where int8 with one scale per row (what Q8_0
+    became before) is ~18 steps off on average, rounding a row's small blocks away."""
+    torch.manual_seed(0)
+    n, k = 96, 512
+    data = _q8_0_bytes(n, k, np.random.default_rng(3))
+    q, scale = q8_0_blocks("Q8_0", data, n, k)
+    w = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0).reshape(n, k))
+    blocks = Int8BlockLinear.from_blocks(torch.from_numpy(q), torch.from_numpy(scale), torch.bfloat16)
+    assert blocks.in_features == k and blocks.out_features == n and blocks.dense is None
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    step = torch.from_numpy(np.repeat(scale, 32, 1))  # each weight's block scale
+    seen = (blocks(eye).float().T - w).abs() / step  # the product of e_j is column j: the weights as used
+    assert seen.max().item() < 1 and seen.mean().item() < 0.2
+    per_row = (Int8Linear.from_float(w, torch.bfloat16)(eye).float().T - w).abs() / step
+    assert per_row.mean().item() > 5
+
+    layer = Int8BlockLinear.from_blocks(torch.from_numpy(q), torch.from_numpy(scale), torch.bfloat16,
+                                        keep_dense=True, dense_above=3)
+    x = torch.randn(5, k).bfloat16()
+    ref = x.double() @ w.double().T
+    one = layer(x[:2])  # at most dense_above rows: the int4 kernel
+    assert one.shape == (2, n) and one.dtype == torch.bfloat16
+    assert torch.equal(layer.row_product()(x[:2]), one)  # the CPU loop's direct call, the same bits
+    assert (one.double() - ref[:2]).abs().max().item() < 1e-2 * ref[:2].abs().max().item()
+    assert torch.equal(layer(x), F.linear(x, w.to(torch.bfloat16)))  # 5 rows > 3: the dense copy
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int8BlockLinear(torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 1), torch.bfloat16)
 
 
 @pytest.mark.parametrize("method", ["int8", "q4"])
@@ -143,16 +196,16 @@ def test_default_model_quantized_logits_and_greedy(default_source, smol_tokenize
                         quant=QuantChoice(method, None, "test"), gguf=src.gguf_path)
     names = {"q4": "Int4Linear", "int8": "Int8Linear", "fp16": "Fp16Linear"}
     assert type(quant.layers[0].mlp.down_proj).__name__ == names[method]
-    # (the head: the file's Q8_0 embedding stays int8 under q4)
-    assert type(quant.host_head).__name__ == ("Int8Linear" if method == "q4" else names[method])
+    # (the head: the file's Q8_0 embedding as two 4-bit halves under q4)
+    assert type(quant.host_head).__name__ == ("Int8BlockLinear" if method == "q4" else names[method])
     for chat, answer in CHATS:
         ids = _ids(smol_tokenizer, chat)
         ref_out, ref_logits = _greedy(dense, smol_tokenizer, ids, 24)
         out, logits = _greedy(quant, smol_tokenizer, ids, 24)
-        # q4 reads the very Q4_1 values the dense model was converted from: what is left is bf16
-        # activations and the LM head (Q8_0 -> int8 per row); int8 requantizes every layer
+        # q4 reads the very Q4_1 and Q8_0 values the dense model was converted from: what is left
+        # is bf16 activations and scales; int8 requantizes every layer
         rel = (logits - ref_logits).abs().max().item() / ref_logits.abs().max().item()
-        assert rel < {"q4": 0.05, "int8": 0.1, "fp16": 1e-3}[method], rel
+        assert rel < {"q4": 0.035, "int8": 0.1, "fp16": 1e-3}[method], rel
         assert int(logits.argmax()) == int(ref_logits.argmax())
         assert answer in smol_tokenizer.decode(out), smol_tokenizer.decode(out)
 
