@@ -165,7 +165,6 @@ class Int4Linear(WeightOnlyLinear):
         return out
 
 
-
 class Int8BlockLinear(Int4Linear):
     """8-bit weights with one scale per 32 along K, w = scale * q with q in -128..127 (GGUF
     Q8_0), multiplied by the int4 kernel as two 4-bit halves in one call: q = 16 * hi + lo with
@@ -206,6 +205,7 @@ class Int8BlockLinear(Int4Linear):
         if keep_dense:
             dense = (q.float().view(*scales.shape, GROUP) * scales.float()[..., None]).view(q.shape).to(dtype)
         return cls(q, scales, dtype, _opt(bias, dtype), dense, dense_above)
+
 
 @functools.cache
 def fp16_available() -> bool:
