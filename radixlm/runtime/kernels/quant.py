@@ -206,6 +206,21 @@ class Int8BlockLinear(Int4Linear):
             dense = (q.float().view(*scales.shape, GROUP) * scales.float()[..., None]).view(q.shape).to(dtype)
         return cls(q, scales, dtype, _opt(bias, dtype), dense, dense_above)
 
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   keep_dense: bool = False, dense_above: int | None = None) -> Int8BlockLinear:
+        """Quantize a float [N, K] weight per group of 32 (as Q8_0): scale = max|w| / 127."""
+        n, k = weight.shape
+        if k % GROUP:
+            raise ValueError(f"8-bit blocks need input sizes divisible by {GROUP}; this layer has {k}")
+        g = weight.float().view(n, k // GROUP, GROUP)
+        scales = (g.abs().amax(-1) / 127).clamp_min(1e-12)
+        q = torch.round(g / scales[..., None]).clamp(-127, 127).to(torch.int32).view(n, k)
+        out = cls(q, scales, dtype, _opt(bias, dtype), None, dense_above)
+        if keep_dense:
+            out.dense = DenseLinear(weight.to(dtype), out.bias)
+        return out
+
 
 @functools.cache
 def fp16_available() -> bool:

@@ -111,6 +111,57 @@ def test_int8_blocks_as_two_int4_halves_are_the_blocks_weights_and_product():
         Int8BlockLinear(torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 1), torch.bfloat16)
 
 
+def _q6_k_bytes(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random raw bytes of a [n, k] Q6_K tensor (256 weights in 210 bytes: 6-bit values, an int8
+    scale per 16, an f16 scale last), its f16 scales over two orders of magnitude."""
+    raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = (10.0 ** rng.uniform(-5, -3, (n, k // 256, 1))).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def test_gguf_layers_of_other_types_become_8_bit_blocks_under_q4(tmp_path):
+    """A fused layer whose parts mix types (a Q4_K_M file's Q4_K attn_q/attn_k with its Q6_K
+    attn_v) and a Q6_K layer load under q4 as 8-bit blocks of 32 (as Q8_0): the file's weights
+    within ~1% of each block's largest, where one int8 scale per row (int8) is ~10x further off."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+
+    from radixlm.runtime.model.gguf_convert import _unpermute_rope_rows
+    from radixlm.runtime.model.gguf_quant import GGUFLinears
+
+    rng = np.random.default_rng(4)
+    heads, kv_heads, d, hidden = 4, 2, 16, 256
+    tensors = {"attn_q": ("Q4_K", heads * d), "attn_k": ("Q4_K", kv_heads * d), "attn_v": ("Q6_K", kv_heads * d),
+               "ffn_down": ("Q6_K", hidden)}
+    path = tmp_path / "mixed.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    dense = {}
+    for name, (kind, rows) in tensors.items():
+        raw = _random_blocks(kind, rows, hidden, rng) if kind == "Q4_K" else _q6_k_bytes(rows, hidden, rng)
+        writer.add_tensor(f"blk.0.{name}.weight", raw, raw_shape=raw.shape, raw_dtype=getattr(T, kind))
+        w = gguf.quants.dequantize(raw, getattr(T, kind)).reshape(rows, hidden)
+        rope_heads = {"attn_q": heads, "attn_k": kv_heads}.get(name)  # llama.cpp's RoPE row order, undone
+        dense[name] = w if rope_heads is None else _unpermute_rope_rows(w, rope_heads)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFLinears(path)
+    for ours, names in (("self_attn.qkv_proj", ("attn_q", "attn_k", "attn_v")), ("mlp.down_proj", ("ffn_down",))):
+        w = torch.from_numpy(np.concatenate([dense[n] for n in names]))
+        eye = torch.eye(hidden, dtype=torch.bfloat16)
+        step = w.view(w.shape[0], -1, 32).abs().amax(-1).repeat_interleave(32, 1)  # each block's largest
+        blocks = file.layer(0, ours, "q4", torch.bfloat16, None)
+        assert type(blocks).__name__ == "Int8BlockLinear"
+        err = ((blocks(eye).float().T - w).abs() / step).max().item()
+        per_row = file.layer(0, ours, "int8", torch.bfloat16, None)
+        assert type(per_row).__name__ == "Int8Linear"
+        err_row = ((per_row(eye).float().T - w).abs() / step).max().item()
+        assert err < 0.015 and err_row > 10 * err, (ours, err, err_row)
+
+
 @pytest.mark.parametrize("method", ["int8", "q4"])
 def test_from_float_within_quantization_error_and_dense_above(method):
     torch.manual_seed(0)
