@@ -32,6 +32,14 @@ from radixlm.runtime.kernels.packed import DenseLinear
 GROUP = 32  # weights per scale/zero pair in int4 (the GGUF Q4_0/Q4_1 block)
 
 
+def _groups(weight: torch.Tensor, method: str) -> torch.Tensor:
+    """A float [N, K] weight as fp32 groups of 32 along K, [N, K / 32, 32]."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"{method} needs input sizes divisible by {GROUP}; this layer has {k}")
+    return weight.float().view(n, k // GROUP, GROUP)
+
+
 class WeightOnlyLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held quantized; subclasses define the quantized product."""
 
@@ -152,13 +160,10 @@ class Int4Linear(WeightOnlyLinear):
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
                    keep_dense: bool = False, dense_above: int | None = None) -> Int4Linear:
         """Quantize a float [N, K] weight per group of 32 between its min and max (as Q4_1)."""
-        n, k = weight.shape
-        if k % GROUP:
-            raise ValueError(f"q4 needs input sizes divisible by {GROUP}; this layer has {k}")
-        g = weight.float().view(n, k // GROUP, GROUP)
+        g = _groups(weight, "q4")
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15).clamp_min(1e-12)
-        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(weight.shape)
         out = cls.from_affine(q, scale, lo, dtype, bias, keep_dense=False, dense_above=dense_above)
         if keep_dense:
             out.dense = DenseLinear(weight.to(dtype), out.bias)
@@ -210,12 +215,9 @@ class Int8BlockLinear(Int4Linear):
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
                    keep_dense: bool = False, dense_above: int | None = None) -> Int8BlockLinear:
         """Quantize a float [N, K] weight per group of 32 (as Q8_0): scale = max|w| / 127."""
-        n, k = weight.shape
-        if k % GROUP:
-            raise ValueError(f"8-bit blocks need input sizes divisible by {GROUP}; this layer has {k}")
-        g = weight.float().view(n, k // GROUP, GROUP)
+        g = _groups(weight, "8-bit blocks")
         scales = (g.abs().amax(-1) / 127).clamp_min(1e-12)
-        q = torch.round(g / scales[..., None]).clamp(-127, 127).to(torch.int32).view(n, k)
+        q = torch.round(g / scales[..., None]).clamp(-127, 127).to(torch.int32).view(weight.shape)
         out = cls(q, scales, dtype, _opt(bias, dtype), None, dense_above)
         if keep_dense:
             out.dense = DenseLinear(weight.to(dtype), out.bias)
