@@ -101,7 +101,7 @@ class ModelRunner:
             ids if ids is not None else self.to_device(tokens),
             pos_t,
             self.attention,
-            self.to_device(logit_rows),
+            None if len(logit_rows) == len(tokens) else self.to_device(logit_rows),  # (a decode step: every row)
         )
         return logits
 
