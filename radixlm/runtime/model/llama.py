@@ -44,7 +44,7 @@ def host_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
         return F.rms_norm(x, weight.shape, weight, eps)
     if x.dtype == torch.bfloat16:
         n = x.shape[-1]
-        return weight * F.layer_norm(torch.cat([x, x.neg()], -1), (2 * n,), None, None, eps)[..., :n]
+        return weight * torch.layer_norm(torch.cat([x, x.neg()], -1), (2 * n,), None, None, eps)[..., :n]
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
