@@ -206,6 +206,7 @@ class Int8BlockLinear(Int4Linear):
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
                     keep_dense: bool = False, dense_above: int | None = None) -> Int8BlockLinear:
+        """From a file's own blocks (GGUF Q8_0): w = scale * q per group of 32, taken as they are."""
         dense = None
         if keep_dense:
             dense = (q.float().view(*scales.shape, GROUP) * scales.float()[..., None]).view(q.shape).to(dtype)
