@@ -126,8 +126,9 @@ def main() -> None:
     if not args.skip_llama_cpp:
         from llama_cpp import Llama
 
-        llm = Llama(model_path=str(builtin_gguf_path(DEFAULT_MODEL)), n_ctx=2048, n_threads=threads, n_batch=512,
-                    verbose=False)
+        # n_batch 2048 with n_ubatch 512: llama.cpp's server defaults (its 1k prefill here: ~8% faster than n_batch 512)
+        llm = Llama(model_path=str(builtin_gguf_path(DEFAULT_MODEL)), n_ctx=2048, n_threads=threads, n_batch=2048,
+                    n_ubatch=512, verbose=False)
         runs["llama.cpp"] = []
     loads = [_load()]
     for rep in range(args.reps):

@@ -52,7 +52,9 @@ class LlamaCppPeer:
     def __init__(self, gguf_path: Path, n_ctx: int = 4096) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=2, n_batch=512, verbose=False)
+        # n_batch 2048 with n_ubatch 512: llama.cpp's server defaults (its 1k prefill here: ~8% faster than n_batch 512)
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=2, n_batch=2048, n_ubatch=512,
+                         verbose=False)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> PeerResult:
         outs, ttfts = [], []

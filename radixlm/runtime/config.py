@@ -79,8 +79,8 @@ class CacheConfig:
 class SchedulerConfig:
     policy: str = "lpm"  # a name in radixlm.runtime.scheduler.POLICIES
     max_running_requests: int = 64
-    chunked_prefill_size: int = 512  # 0 turns chunking off
-    max_prefill_tokens: int = 4096  # new prompt tokens admitted per step
+    chunked_prefill_size: int = 512  # prompt tokens a step while others decode or wait; 0 turns chunking off
+    max_prefill_tokens: int = 4096  # prompt tokens a step without chunking, and for a prompt alone
     lpm_max_queue: int = 128  # past this many waiting requests, lpm falls back to fcfs
     # Admission reserves ratio * (remaining max_new_tokens) for each running request. Most
     # requests stop early, so the ratio decays step by step towards its floor; a retraction

@@ -180,8 +180,17 @@ class Scheduler:
 
     @property
     def prefill_budget(self) -> int:
-        """Prompt tokens one step may feed."""
+        """Prompt tokens one step may feed while other requests decode or wait (the chunk)."""
         return self.config.chunked_prefill_size or self.config.max_prefill_tokens
+
+    def _step_budget(self, decoding: Sequence[Request], prefilling: Sequence[Request]) -> int:
+        """Prompt tokens this step may feed: the chunk, but a prompt alone on the server (nothing
+        decoding, no other prompt in flight or waiting) up to ``max_prefill_tokens``. Chunks keep
+        other requests' tokens coming between the pieces of a long prompt; with none to serve they
+        only cost the prompt speed (a 1k prompt of the default model on 2 CPU cores: one step is
+        ~14% faster than two chunks of 512, whose second attends with a mask)."""
+        alone = not decoding and len(prefilling) + len(self.waiting) == 1
+        return max(self.prefill_budget, self.config.max_prefill_tokens) if alone else self.prefill_budget
 
     def abort(self, rid: str) -> Request | None:
         for req in self.waiting + self.running:
@@ -218,7 +227,7 @@ class Scheduler:
         decoding = [r for r in self.running if r.is_decoding]
         prefilling = [r for r in self.running if not r.is_decoding]
         out = [self._step(r, 1, prefill=False) for r in self._make_room_for_decode(decoding)]
-        budget = self.prefill_budget
+        budget = self._step_budget(decoding, prefilling)
         for req in prefilling:  # a prompt already in flight (chunked) continues first
             if budget <= 0:
                 return out

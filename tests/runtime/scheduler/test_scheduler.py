@@ -183,6 +183,28 @@ def test_chunked_prefill_interleaves_with_decodes(cache):
     sim.check_idle()
 
 
+@pytest.mark.parametrize("cache", ["radix", "none"])
+def test_a_prompt_alone_is_not_chunked(cache):
+    """Nothing decoding and nothing else waiting: a prompt feeds up to max_prefill_tokens a step
+    (the chunk only bounds the wait of other requests' tokens); past that it is cut there."""
+    sim = Sim(1000, cache=cache, chunked_prefill_size=16, max_prefill_tokens=64)
+    sim.add("a", [(i * 7) % 50 for i in range(60)], 3)
+    sim.add("b", [(i * 3) % 50 for i in range(150)], 2)  # waits: "a" does not run alone
+    sim.step()
+    assert [(s.req.rid, len(s.seq.token_ids)) for s in sim.history[-1]] == [("a", 16)]
+    sim.run()
+    # "b" shares a's last chunk, takes chunks while "a" decodes, then runs alone (64 a step)
+    assert [len(s.seq.token_ids) for _, s in prefill_steps(sim, "b")] == [4, 16, 16, 64, 50]
+    solo = sim.add("solo", [50 + i % 40 for i in range(100)], 2)
+    before = len(sim.history)
+    sim.run()
+    assert [len(s.seq.token_ids) for _, s in prefill_steps(sim, "solo")] == [64, 36]
+    assert len(sim.history) - before == 3  # two prefill steps (the second samples), one decode
+    assert solo.output_ids == reference_output(solo.prompt_ids, 2)
+    assert_outputs_match_reference(sim)
+    sim.check_idle()
+
+
 def test_chunk_budget_is_shared_by_prompts_in_one_step():
     sim = Sim(1000, chunked_prefill_size=8)
     for i in range(3):
@@ -199,8 +221,8 @@ def test_chunk_budget_is_shared_by_prompts_in_one_step():
 
 @pytest.mark.parametrize("cache", ["radix", "none"])
 def test_prompt_cut_one_token_short_still_prefills(cache):
-    """Prompt 9, chunk 8: the last prompt token is a prefill step of its own, never empty."""
-    sim = Sim(40, cache=cache, chunked_prefill_size=8)
+    """Prompt 9, chunk 8 (alone too): the last prompt token is a prefill step of its own, never empty."""
+    sim = Sim(40, cache=cache, chunked_prefill_size=8, max_prefill_tokens=8)
     req = sim.add("a", list(range(9)), 0)
     sim.run()
     assert req.finish_reason == "length" and req.output_ids == []
@@ -458,7 +480,7 @@ def test_abort_everything_at_every_step_frees_everything():
 @pytest.mark.parametrize("page_size", [1, 2])
 @pytest.mark.parametrize("chunk", [0, 4])
 def test_max_new_tokens_zero_prefills_into_the_cache(page_size, chunk):
-    sim = Sim(100, page_size=page_size, chunked_prefill_size=chunk)
+    sim = Sim(100, page_size=page_size, chunked_prefill_size=chunk, max_prefill_tokens=chunk or 4096)
     prompt = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 0]
     warm = sim.add("warm", prompt, 0)
     sim.run()
