@@ -11,15 +11,19 @@ together with the forced string:
   (``floor``), starts on a UTF-8 character boundary and after any special token;
 - tokens the re-tokenization changes are rolled back in the matcher (and, by the caller, in
   the KV); the new ones are accepted, and if the grammar refuses any, nothing changes;
-- the last new token is held back when a longer vocabulary token starts with its bytes: the
-  model may want that longer token (``":"`` + ``Bob``), and the next decode step, masked by the
-  grammar, picks it.
+- the last new token is held back when a longer vocabulary token starts with its bytes and the
+  grammar may allow it: the model may want that longer token (``":"`` + ``Bob``), and the next
+  decode step, masked by the grammar, picks it. Where the matcher can test a token (``allows``)
+  and the longer tokens are few, they are tested: when the grammar allows none of them (``":``
+  before an integer, whose only longer token ``":"`` opens a string), the token is no choice
+  and joins the jump, which spares the request a forward pass.
 
 Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +37,9 @@ DEFAULT_WINDOW = 8  # output tokens before the forced text that may be re-tokeni
 # Forced characters one jump takes at most: bounds the re-tokenizing work of one step; a longer
 # forced run continues at the next step.
 MAX_JUMP_CHARS = 4096
+# A held-back last token whose longer tokens number at most this many has them tested against the
+# grammar (a few µs each); past it the token stays held back.
+MAX_EXTENSION_TESTS = 16
 
 
 @dataclass(frozen=True)
@@ -67,15 +74,6 @@ class JumpPolicy:
         return max(1, math.floor(running * self.penalty_s / self.decode_s))
 
 
-def _strict_prefixes(decoded: Sequence[bytes]) -> frozenset[bytes]:
-    """Every byte string that is a proper prefix of some token's bytes."""
-    out: set[bytes] = set()
-    for b in decoded:
-        for k in range(1, len(b)):
-            out.add(b[:k])
-    return frozenset(out)
-
-
 def _is_continuation(b: bytes) -> bool:
     return bool(b) and b[0] & 0xC0 == 0x80
 
@@ -88,8 +86,29 @@ class JumpForward:
         self.vocab = vocab
         self.encode = encode
         self.window = window
-        self._extendable = _strict_prefixes(vocab.decoded)
+        # the text tokens sorted by their bytes: those starting with some bytes are one run of it
+        order = sorted((b, t) for t, b in enumerate(vocab.decoded) if b)
+        self._sorted_bytes = [b for b, _ in order]
+        self._sorted_ids = [t for _, t in order]
         self._max_token_bytes = max((len(b) for b in vocab.decoded), default=1) or 1
+
+    def longer_tokens(self, piece: bytes, limit: int) -> list[int] | None:
+        """The tokens whose bytes start with ``piece`` and go on; None when more than ``limit``."""
+        i = bisect.bisect_right(self._sorted_bytes, piece)
+        out: list[int] = []
+        while i < len(self._sorted_bytes) and self._sorted_bytes[i].startswith(piece):
+            if len(out) == limit:
+                return None
+            out.append(self._sorted_ids[i])
+            i += 1
+        return out
+
+    def _no_choice(self, matcher: GrammarMatcher, token: int) -> bool:
+        """Whether the grammar allows none of the tokens longer than ``token`` that start with its
+        bytes (so the model cannot prefer one), tested where the matcher can and they are few."""
+        allows = getattr(matcher, "allows", None)
+        longer = self.longer_tokens(self.vocab.decoded[token], MAX_EXTENSION_TESTS)
+        return allows is not None and longer is not None and not any(allows(t) for t in longer)
 
     def _window_start(self, output_ids: Sequence[int], floor: int) -> int:
         dec = self.vocab.decoded
@@ -131,25 +150,26 @@ class JumpForward:
         pieces = [dec[t] for t in new]
         if b"".join(pieces) != (old_text + forced).encode("utf-8"):
             return None  # the tokenizer normalized the text: its tokens would not spell it
-        n = len(new)
-        if n and pieces[-1] in self._extendable:
+        n = min(len(new), limit - start)
+        held = n == len(new) > 0 and self.longer_tokens(pieces[-1], 0) is None  # a longer token starts with it
+        if held:
             n -= 1
-        n = min(n, limit - start)
-        kept_bytes = b"".join(pieces[:n])
         common = 0
         while common < min(len(old), n) and old[common] == new[common]:
             common += 1
         # the jump's tokens: those it writes (as many decode steps as the forced text would take,
         # give or take a token the re-tokenizing merges)
-        if len(kept_bytes) <= len(old_bytes) or n - common < min_gain:
-            return None
-        try:
-            text = kept_bytes.decode("utf-8")[len(old_text):]
-        except UnicodeDecodeError:  # the held-back token split a character
+        if len(b"".join(pieces[:n])) <= len(old_bytes) or n - common < min_gain:
             return None
         matcher.rollback(len(old) - common)
         took = accept_run(matcher, new[common:n])
-        if took < n - common:
+        if took == n - common and held and self._no_choice(matcher, new[n]) and accept_run(matcher, new[n:n + 1]):
+            n, took = n + 1, took + 1
+        try:
+            text = b"".join(pieces[:n]).decode("utf-8")[len(old_text):]
+        except UnicodeDecodeError:  # the held-back token split a character
+            text = None
+        if took < n - common or text is None:
             matcher.rollback(took)
             ok = accept_run(matcher, old[common:]) == len(old) - common
             assert ok, "re-accepting the tokens the matcher accepted before failed"

@@ -257,6 +257,49 @@ def test_jump_forward_appends_the_forced_tokens(smol_tokenizer, llg, vocab):
     assert jump.text + m.forced_text() == ',"status":"'  # the matcher took the new tokens
 
 
+class _Untestable:
+    """A matcher without ``allows``: the jump cannot test tokens through it."""
+
+    def __init__(self, matcher):
+        self._m = matcher
+
+    def __getattr__(self, name):
+        if name == "allows":
+            raise AttributeError(name)
+        return getattr(self._m, name)
+
+
+def test_a_held_back_token_the_grammar_leaves_no_choice_to_joins_the_jump(smol_tokenizer, llg, vocab):
+    """The forced text ends in ``":`` before an integer: its one longer token ``":"`` opens a
+    string, which the grammar forbids, so ``":`` joins the jump (a forward pass spared). Before a
+    string-or-integer value ``":"`` is allowed and ``":`` stays held back for the model, as it
+    does behind a matcher that cannot test a token."""
+    encode = lambda text: smol_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    jf = JumpForward(vocab, encode)
+    assert [vocab.decoded[t] for t in jf.longer_tokens(b'":', 16)] == [b'":"']
+    assert jf.longer_tokens(b'"', 16) is None  # more than 16: never tested
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    out = _ids(smol_tokenizer, '{"name":"x"')
+    m = llg.compile("json_schema", person).new_matcher()
+    assert _feed(m, out) is None
+    jump = jf.jump(m, out, 0, 100)
+    assert jump.text == ',"age":' and vocab.decoded[jump.new_ids[-1]] == b'":'
+    assert m.forced_text() == "" and m.accept(encode("7")[0])
+    untestable = llg.compile("json_schema", person).new_matcher()
+    _feed(untestable, out)
+    jump = jf.jump(_Untestable(untestable), out, 0, 100)
+    assert jump.text == ',"age' and untestable.forced_text() == '":'
+    either = {"type": "object", "properties": {"v": {"type": ["string", "integer"]}}, "required": ["v"],
+              "additionalProperties": False}
+    m = llg.compile("json_schema", either).new_matcher()
+    start = _ids(smol_tokenizer, "{")
+    assert _feed(m, start) is None
+    jump = jf.jump(m, start, 0, 100)
+    assert jump.text == '"v' and m.forced_text() == '":'
+    assert m.accept(vocab.decoded.index(b'":"'))  # the model may still take the longer token
+
+
 def test_a_jump_short_of_min_gain_is_not_taken(smol_tokenizer, llg, vocab):
     """JumpPolicy's floor: a jump adding fewer tokens than asked leaves the matcher as it was."""
     jf = JumpForward(vocab, lambda text: smol_tokenizer.encode(text, add_special_tokens=False))
