@@ -334,9 +334,15 @@ class EngineCore:
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is ready join the scheduler; a failed compile fails its request."""
         ready, failed = self.grammar.ready(idle=not self.scheduler.has_work)
-        for req in ready:
-            self.scheduler.add(req)
         outputs = []
+        for req in ready:
+            out = self.output.start(req)  # the grammar's forced opening joins the prefill
+            if out is not None and out.finished:
+                outputs.append(self._end(out))
+                continue
+            if out is not None:
+                outputs.append(out)
+            self.scheduler.add(req)
         for req, error in failed:
             req.status, req.finish_reason = Status.FINISHED, "abort"
             out = self.output.finish(req)

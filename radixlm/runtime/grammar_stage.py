@@ -203,6 +203,21 @@ class GrammarStage:
         self._spent("after_token", t0)
         return GrammarStep(planned, done)
 
+    def jump_at_start(self, req: EngineRequest, limit: int) -> Jump | None:
+        """Before a request's first forward pass: the jump over the text its grammar forces at
+        the start (``{"name":"``), or None. Its tokens join the prompt's prefill, so it costs no
+        step of its own and needs no gain. Not for requests that want the prompt's logprobs (their
+        prefill returns those logits, and forced output would stand in their way)."""
+        matcher = req.matcher
+        assert matcher is not None
+        if not req.jump_forward or req.output_ids or req.logprob_start_len >= 0:
+            return None
+        t0 = time.perf_counter()
+        try:
+            return self.service.jump_forward.jump(matcher, [], 0, limit)
+        finally:
+            self._spent("after_token", t0)
+
     def forget(self, rid: str) -> None:
         """req finished: drop what was kept for its next step."""
         self._next_rows.pop(rid, None)

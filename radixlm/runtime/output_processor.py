@@ -16,7 +16,7 @@ from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.request import EngineRequest
-from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.scheduler import Scheduler, Status
 from radixlm.runtime.stop import StopRegexTimeout
 
 
@@ -126,6 +126,37 @@ class OutputProcessor:
             return self._output(req, delta)
         self.scheduler.finish(req, reason)
         return self.finish(req, delta)
+
+    def start(self, req: EngineRequest) -> RequestOutput | None:
+        """A constrained request about to join the scheduler: the text its grammar forces at the
+        start becomes output tokens that its prompt's prefill computes too, one forward pass less
+        than sampling the first of them and jumping after it. Returns the output that carries the
+        text (or ends the request: a grammar engine failure, a stop string inside the text), or
+        None. Not while the jump policy allows no jumps at all (``jump_forward_max_running``)."""
+        if self.jump_policy.min_gain(len(self.scheduler.running) + 1) is None:
+            return None
+        # room for one sampled token after the forced ones
+        limit = min(req.params.max_new_tokens, self.context_length - len(req.prompt_ids)) - 1
+        try:
+            jump = self.grammar.jump_at_start(req, limit)
+        except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
+            return self._end_unscheduled(req, "abort", error=self.grammar.engine_error("jumping forward", e))
+        if jump is None:
+            return None
+        text, matched = self._apply_jump(req, jump.keep, list(jump.new_ids), jump.text)
+        if matched is not None:
+            req.matched_stop = matched
+            return self._end_unscheduled(req, "stop", text)
+        req.text += text
+        return self._output(req, text)
+
+    def _end_unscheduled(self, req: EngineRequest, reason: str, delta: str = "", error: str = "") -> RequestOutput:
+        """End a request the scheduler never took."""
+        req.status, req.finish_reason = Status.FINISHED, reason
+        req.text += delta
+        out = self.finish(req, delta)
+        out.error = error or None
+        return out
 
     def _grammar_advance(self, req: EngineRequest) -> tuple[str, str | None, bool]:
         """Jump over forced text. Returns (text added, stop string matched in it, whether the

@@ -156,6 +156,29 @@ def test_jump_forward_only_while_few_requests_run(engine):
     assert all(o["meta_info"]["forced_tokens"] > 0 for o in uncapped)
 
 
+def test_the_forced_opening_joins_the_prefill(engine):
+    """The text a grammar forces before any choice (``{"name":"``) is output before the first
+    forward pass: the prompt's prefill computes it and samples the first free token, so it costs
+    no pass; it streams first; a stop string inside it ends the request with no pass at all."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+              "additionalProperties": False}
+    prompt = _chat("A person as JSON.")
+    opening = engine.tokenizer.encode('{"name":"', add_special_tokens=False)
+    params = {**GREEDY, "json_schema": schema, "max_new_tokens": len(opening) + 1}
+    out = engine.generate(prompt, params)
+    m = out["meta_info"]
+    assert out["output_ids"][:len(opening)] == opening and out["text"].startswith('{"name":"')
+    assert (m["forward_passes"], m["forced_tokens"], m["finish_reason"]["type"]) == (1, len(opening), "length")
+    chunks = list(engine.stream(prompt, params))
+    assert chunks[0]["text"] == '{"name":"' and chunks[0]["output_ids"] == opening
+    stopped = engine.generate(prompt, {**params, "stop": ["name"]})
+    assert stopped["text"] == '{"' and stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": "name"}
+    assert stopped["meta_info"]["forward_passes"] == 0
+    # without jump-forward the opening is sampled, a pass a token
+    plain = engine.generate(prompt, {**params, "jump_forward": False})
+    assert plain["meta_info"]["forward_passes"] == plain["meta_info"]["completion_tokens"] == len(opening) + 1
+
+
 def test_stream_ids_match_final_ids_with_jumps(engine):
     schema = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"}},
               "required": ["title", "year"]}

@@ -46,7 +46,8 @@ def _batch(jump_forward: bool) -> tuple[list[str], list[dict]]:
          "json_schema": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
         {**jf, "temperature": 0, "max_new_tokens": 16, "regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"},
         {**jf, "temperature": 0, "max_new_tokens": 8, "choices": ["yes, surely", "no, never"]},
-        {**jf, "temperature": 0.8, "seed": 7, "max_new_tokens": 30, "json_schema": PERSON},  # masked first
+        # masked first; room for any record (names and cities up to 20 characters)
+        {**jf, "temperature": 0.8, "seed": 7, "max_new_tokens": 64, "json_schema": PERSON},
         {"temperature": 0, "max_new_tokens": 12},
         {"temperature": 0.9, "seed": 3, "max_new_tokens": 12},
     ]
