@@ -499,7 +499,7 @@ class Scheduler:
                 break
             req.node, req.slots, req.tree_len = match.node, list(match.slots), cached
             if req.retractions == 0:
-                req.cached_tokens = cached
+                req.cached_tokens = min(cached, len(req.prompt_ids))  # (output a jump wrote at the start may be cached too)
             req.row = self.free_rows.pop()
             req.rewrite_row = True
             req.status = Status.RUNNING

@@ -171,6 +171,8 @@ def test_the_forced_opening_joins_the_prefill(engine):
     assert (m["forward_passes"], m["forced_tokens"], m["finish_reason"]["type"]) == (1, len(opening), "length")
     chunks = list(engine.stream(prompt, params))
     assert chunks[0]["text"] == '{"name":"' and chunks[0]["output_ids"] == opening
+    again = engine.generate(prompt, params)["meta_info"]  # the opening's KV is cached now; usage counts the prompt's
+    assert again["cached_tokens"] == again["prompt_tokens"]  # (the opening was cached too)
     stopped = engine.generate(prompt, {**params, "stop": ["name"]})
     assert stopped["text"] == '{"' and stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": "name"}
     assert stopped["meta_info"]["forward_passes"] == 0
