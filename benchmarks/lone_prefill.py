@@ -47,17 +47,19 @@ def main() -> None:
     kw = {"model": args.model, "device": args.device, "tokenizer_path": args.tokenizer}
     engines = {"one step": Engine(**kw), f"chunks of {chunk}": Engine(**kw, max_prefill_tokens=chunk)}
     lengths = [int(x) for x in args.lengths.split(",")]
-    first = next(iter(engines.values()))
-    vocab = first.core.source.arch.vocab_size
+    vocab = next(iter(engines.values())).core.source.arch.vocab_size
+
+    def prompt_of(n: int) -> list[int]:
+        return [(i * 7919) % (vocab - 100) + 50 for i in range(n)]
+
     runs: dict[str, dict[int, list[float]]] = {name: {n: [] for n in lengths} for name in engines}
     for e in engines.values():  # warm-up at every length
         for n in lengths:
-            prefill_tok_s(e, [(i * 7919) % (vocab - 100) + 50 for i in range(n)])
+            prefill_tok_s(e, prompt_of(n))
     for _ in range(args.reps):
         for n in lengths:
-            prompt = [(i * 7919) % (vocab - 100) + 50 for i in range(n)]
             for name, e in engines.items():
-                runs[name][n].append(prefill_tok_s(e, prompt))
+                runs[name][n].append(prefill_tok_s(e, prompt_of(n)))
     rows = []
     for n in lengths:
         one, cut = runs["one step"][n], runs[f"chunks of {chunk}"][n]

@@ -344,10 +344,7 @@ class EngineCore:
                 outputs.append(out)
             self.scheduler.add(req)
         for req, error in failed:
-            req.status, req.finish_reason = Status.FINISHED, "abort"
-            out = self.output.finish(req)
-            out.error = error
-            outputs.append(self._end(out))
+            outputs.append(self._end(self.output.end_unscheduled(req, "abort", error=error)))
         return outputs
 
     def _schedule_and_run(self) -> StepRun | None:

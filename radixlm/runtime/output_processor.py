@@ -140,18 +140,18 @@ class OutputProcessor:
         try:
             jump = self.grammar.jump_at_start(req, limit)
         except Exception as e:  # noqa: BLE001 - a grammar-engine failure ends its request only
-            return self._end_unscheduled(req, "abort", error=self.grammar.engine_error("jumping forward", e))
+            return self.end_unscheduled(req, "abort", error=self.grammar.engine_error("jumping forward", e))
         if jump is None:
             return None
         text, matched = self._apply_jump(req, jump.keep, list(jump.new_ids), jump.text)
         if matched is not None:
             req.matched_stop = matched
-            return self._end_unscheduled(req, "stop", text)
+            return self.end_unscheduled(req, "stop", text)
         req.text += text
         return self._output(req, text)
 
-    def _end_unscheduled(self, req: EngineRequest, reason: str, delta: str = "", error: str = "") -> RequestOutput:
-        """End a request the scheduler never took."""
+    def end_unscheduled(self, req: EngineRequest, reason: str, delta: str = "", error: str = "") -> RequestOutput:
+        """End a request the scheduler never took (its grammar failed to compile, or ended it)."""
         req.status, req.finish_reason = Status.FINISHED, reason
         req.text += delta
         out = self.finish(req, delta)

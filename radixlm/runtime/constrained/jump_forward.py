@@ -107,8 +107,10 @@ class JumpForward:
         """Whether the grammar allows none of the tokens longer than ``token`` that start with its
         bytes (so the model cannot prefer one), tested where the matcher can and they are few."""
         allows = getattr(matcher, "allows", None)
+        if allows is None:
+            return False
         longer = self.longer_tokens(self.vocab.decoded[token], MAX_EXTENSION_TESTS)
-        return allows is not None and longer is not None and not any(allows(t) for t in longer)
+        return longer is not None and not any(allows(t) for t in longer)
 
     def _window_start(self, output_ids: Sequence[int], floor: int) -> int:
         dec = self.vocab.decoded
