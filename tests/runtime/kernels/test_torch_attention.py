@@ -1,6 +1,7 @@
 """The torch attention backend against attention written out per sequence and per head (fp32):
 decode rows batched with padding, with and without prefill segments in the same step, and
-grouped-query heads (the decode call puts a KV head's query heads in the query-length place)."""
+grouped-query heads (the decode call puts a KV head's query heads in the query-length place); in
+bf16 the extends run as blocks of queries (`blocked_extend`), checked across block edges too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from radixlm.runtime.kernels.attention.base import AttentionMeta
-from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
+from radixlm.runtime.kernels.attention.torch_backend import TorchAttention, blocked_extend
 from radixlm.runtime.kernels.kv_pool import KVPool
 from radixlm.runtime.model.arch import ModelArch
 
@@ -19,27 +20,29 @@ ARCH = ModelArch(family="llama", vocab_size=64, hidden_size=HEADS * D, intermedi
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> torch.Tensor:
-    """q [n, heads, d] at positions first_pos.. over keys/values [L, kv_heads, d], causal."""
-    group = HEADS // KV_HEADS
+    """q [n, heads, d] at positions first_pos.. over keys/values [L, kv_heads, d], causal, in fp32."""
+    q, keys, values = q.float(), keys.float(), values.float()
+    group = q.shape[1] // keys.shape[1]
     out = torch.empty_like(q)
     for t in range(q.shape[0]):
         visible = first_pos + t + 1
-        for h in range(HEADS):
+        for h in range(q.shape[1]):
             k, v = keys[:visible, h // group], values[:visible, h // group]
-            p = torch.softmax(k @ q[t, h] / D**0.5, 0)
+            p = torch.softmax(k @ q[t, h] / q.shape[2] ** 0.5, 0)
             out[t, h] = p @ v
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("plan", [
     [(40, 1)],  # batch 1 decode: no padding
     [(7, 1), (30, 1), (18, 1)],  # decodes of different lengths: padded
     [(12, 1), (25, 1), (0, 5), (9, 4)],  # decodes, then prefill segments (one with a cached prefix)
     [(0, 3), (20, 1)],  # a decode after a prefill segment: not a leading slice
 ])
-def test_torch_attention_matches_per_head_reference(plan):
+def test_torch_attention_matches_per_head_reference(plan, dtype):
     gen = torch.Generator().manual_seed(0)
-    pool = KVPool(ARCH, 256, torch.float32, "cpu")
+    pool = KVPool(ARCH, 256, dtype, "cpu")
     table = torch.zeros((len(plan), 128), dtype=torch.int64)
     att = TorchAttention(pool, HEADS, D)
     next_slot = 1
@@ -48,7 +51,7 @@ def test_torch_attention_matches_per_head_reference(plan):
         slots = torch.arange(next_slot, next_slot + cached + new)
         next_slot += cached + new
         table[row, : cached + new] = slots
-        k_old, v_old = (torch.randn(cached, KV_HEADS, D, generator=gen) for _ in range(2))
+        k_old, v_old = (torch.randn(cached, KV_HEADS, D, generator=gen).to(dtype) for _ in range(2))
         pool.k[0, slots[:cached]], pool.v[0, slots[:cached]] = k_old, v_old
         history.append((k_old, v_old))
         new_slots.append(slots[cached:])
@@ -56,11 +59,25 @@ def test_torch_attention_matches_per_head_reference(plan):
         q_lens.append(new)
         kv_lens.append(cached + new)
     total = sum(q_lens)
-    q = torch.randn(total, HEADS, D, generator=gen)
-    k, v = (torch.randn(total, KV_HEADS, D, generator=gen) for _ in range(2))
+    q = torch.randn(total, HEADS, D, generator=gen).to(dtype)
+    k, v = (torch.randn(total, KV_HEADS, D, generator=gen).to(dtype) for _ in range(2))
     att.prepare(AttentionMeta(torch.cat(new_slots), table, list(range(len(plan))), q_starts, q_lens, kv_lens))
     out = att.forward(0, q, k, v).view(total, HEADS, D)
     for (cached, new), start, (k_old, v_old) in zip(plan, q_starts, history):
         part = slice(start, start + new)
         ref = _reference(q[part], torch.cat([k_old, k[part]]), torch.cat([v_old, v[part]]), cached)
-        torch.testing.assert_close(out[part], ref, rtol=1e-5, atol=1e-5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[part].float(), ref, rtol=tol, atol=tol)
+    assert att.blocked == (dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
+@pytest.mark.parametrize("prefix,new", [(0, 13), (0, 4), (9, 10), (30, 1), (5, 3)])
+def test_blocked_extend_matches_reference_across_block_edges(heads, kv_heads, prefix, new):
+    """Blocks of 4 queries: several blocks, a short last one, a cached prefix, one query."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(new, heads, D, generator=gen).bfloat16()
+    k, v = (torch.randn(prefix + new, kv_heads, D, generator=gen).bfloat16() for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    blocked_extend(q, k, v, D**-0.5, out, block=4)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, prefix), rtol=2e-2, atol=2e-2)
