@@ -276,10 +276,10 @@ class LlamaModel(nn.Module):
             if h.shape[0] <= MAX_ROWS:
                 return self._forward_rows(h, rotary, backend, logit_rows)
             h, residual = self._forward_modules(h, rotary, backend)
+            if logit_rows is not None:
+                h, residual = h[logit_rows], residual[logit_rows]
         else:
-            h, residual = self._forward_host(h, rotary, backend)
-        if logit_rows is not None:
-            h, residual = h[logit_rows], residual[logit_rows]
+            h, residual = self._forward_host(h, rotary, backend, logit_rows)
         h, _ = self.norm.add_forward(h, residual)
         if self.host_head is not None:
             return cast("torch.Tensor", self.host_head(h)).float()
@@ -299,25 +299,36 @@ class LlamaModel(nn.Module):
         assert residual is not None
         return h, residual
 
-    def _forward_host(self, h: torch.Tensor, rotary: RotaryBatch,
-                      backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_host(self, h: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend,
+                      logit_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers off CUDA, as DecoderLayer.forward runs them (the same ops, so the same
         results), in one loop over the bound layers: at batch 1 a step is mostly the cost of
         issuing ~30 small ops per layer, so the Python around them counts. Returns (the last
-        MLP output, the residual stream before it)."""
+        MLP output, the residual stream before it) of the rows in `logit_rows` (all if None).
+
+        The last layer keeps only those rows after its attention (which writes every row's K
+        and V): nothing reads the other rows' outputs, so a prompt's prefill skips its last
+        layer's o_proj and MLP for all but the row it samples from."""
         a = self.shard
         qk_heads = a.num_heads + a.num_kv_heads
         residual = h  # the embeddings: the stream is then updated in place
         rows = h.shape[0]
-        for layer in self.host_layers():
+        layers = self.host_layers()
+        keep = logit_rows if logit_rows is not None and logit_rows.numel() < rows else None
+        for layer in layers:
             qkv_proj, o_proj, gate_up_proj, down_proj = layer.few if rows <= layer.few_rows else layer.linears
             x = host_rms_norm(h if layer.index == 0 else residual.add_(h), layer.norm1, layer.eps1)
             qkv = qkv_proj(x)
             heads = qkv.view(rows, qk_heads + a.num_kv_heads, a.head_dim)  # q, k, v heads
             q, k = rotary.apply(heads[:, :qk_heads], a.num_heads)
-            residual.add_(o_proj(backend.forward(layer.index, q, k, heads[:, qk_heads:])))
+            attended = backend.forward(layer.index, q, k, heads[:, qk_heads:])
+            if keep is not None and layer is layers[-1]:
+                attended, residual = attended[keep], residual[keep]
+            residual.add_(o_proj(attended))
             gate, up = gate_up_proj(host_rms_norm(residual, layer.norm2, layer.eps2)).chunk(2, dim=-1)
             h = down_proj(F.silu(gate).mul_(up))
+        if logit_rows is not None and keep is None:
+            h, residual = h[logit_rows], residual[logit_rows]
         return h, residual
 
     def _forward_rows(self, h: torch.Tensor, rotary: RotaryBatch, backend: AttentionBackend,
