@@ -39,11 +39,12 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_
     [(7, 1), (30, 1), (18, 1)],  # decodes of different lengths: padded
     [(12, 1), (25, 1), (0, 5), (9, 4)],  # decodes, then prefill segments (one with a cached prefix)
     [(0, 3), (20, 1)],  # a decode after a prefill segment: not a leading slice
+    [(9, 1), (0, 200), (100, 150)],  # long segments: in bf16 blocks of queries (one over a prefix)
 ])
 def test_torch_attention_matches_per_head_reference(plan, dtype):
     gen = torch.Generator().manual_seed(0)
-    pool = KVPool(ARCH, 256, dtype, "cpu")
-    table = torch.zeros((len(plan), 128), dtype=torch.int64)
+    pool = KVPool(ARCH, 1024, dtype, "cpu")
+    table = torch.zeros((len(plan), 512), dtype=torch.int64)
     att = TorchAttention(pool, HEADS, D)
     next_slot = 1
     history, new_slots, q_starts, q_lens, kv_lens = [], [], [], [], []
@@ -68,7 +69,9 @@ def test_torch_attention_matches_per_head_reference(plan, dtype):
         ref = _reference(q[part], torch.cat([k_old, k[part]]), torch.cat([v_old, v[part]]), cached)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[part].float(), ref, rtol=tol, atol=tol)
-    assert att.blocked == (dtype == torch.bfloat16)
+    # bf16 segments of 32+ queries and 32k+ query-key pairs run as blocks, the rest the flash kernel
+    assert [blocked for *_, blocked in att.extends] == [
+        dtype == torch.bfloat16 and new >= 32 and new * (cached + new) >= 32768 for cached, new in plan if new > 1]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])

@@ -13,7 +13,9 @@ kernel multiplies bf16 at about fp32's speed (a 1k causal prompt of the default 
 layer in bf16, 14.3 in fp32), while its plain bf16 matmuls reach ~400 GFLOP/s on avx512_bf16; 128
 queries at a time, with the heads that share a KV head stacked as rows, run the same causal
 attention in 7.3 ms (1.4-1.7x faster from 512 to 4k tokens, with or without a cached prefix;
-docs/benchmarks.md). In fp32 the flash kernel stays: there the blocks are slower.
+docs/benchmarks.md). In fp32 the flash kernel stays: there the blocks are slower. So does it for
+short extends (`BLOCKED_MIN_QUERIES`, `BLOCKED_MIN_PAIRS`), a jump-forward's few tokens say, where
+the blocks' fixed ~0.2 ms a layer costs more than the flash kernel's whole call.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.kv_pool import KVPool
 
 EXTEND_BLOCK = 128  # queries per block of `blocked_extend`: 64 and 256 measured slower at 0.5k-4k tokens
+# below these an extend keeps the flash kernel (measured: 16 queries over 2k keys 1.12 vs 1.17 ms,
+# 32 over 532 0.51 vs 0.54, 64 over 164 0.39 vs 0.47; 32 over 2k 1.93 vs 1.32, 64 over 564 1.17 vs 0.75)
+BLOCKED_MIN_QUERIES = 32
+BLOCKED_MIN_PAIRS = 32768  # queries x keys
 
 
 def blocked_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
@@ -63,7 +69,7 @@ class TorchAttention:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        self.blocked = pool.k.dtype == torch.bfloat16 and pool.k.device.type == "cpu"
+        self.blocks = pool.k.dtype == torch.bfloat16 and pool.k.device.type == "cpu"
 
     def prepare(self, meta: AttentionMeta) -> None:
         self.meta = meta
@@ -91,19 +97,20 @@ class TorchAttention:
                 self.decode_mask = valid[:, None, None, :]
         # a step of decodes only: the decode call's output is the whole output
         self.decode_only = bool(decode) and len(decode) == meta.num_seqs
-        self.extends: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        self.extends: list[tuple[int, int, torch.Tensor, torch.Tensor | None, bool]] = []
         for i in range(meta.num_seqs):
             q_len, kv_len = meta.q_lens[i], meta.kv_lens[i]
             if q_len == 1:
                 continue
             kv_idx = meta.req_to_token[meta.rows[i], :kv_len]
+            blocked = self.blocks and q_len >= BLOCKED_MIN_QUERIES and q_len * kv_len >= BLOCKED_MIN_PAIRS
             mask = None
-            if kv_len != q_len and not self.blocked:  # a cached prefix: query j sees positions <= prefix + j
+            if kv_len != q_len and not blocked:  # a cached prefix: query j sees positions <= prefix + j
                 prefix = kv_len - q_len
                 mask = torch.arange(kv_len, device=device)[None, :] <= (
                     torch.arange(q_len, device=device)[:, None] + prefix
                 )
-            self.extends.append((meta.q_starts[i], q_len, kv_idx, mask))
+            self.extends.append((meta.q_starts[i], q_len, kv_idx, mask, blocked))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -114,9 +121,9 @@ class TorchAttention:
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if self.decode_tokens is not None:
             out[self.decode_tokens] = self._decode(q[self.decode_tokens], k_cache, v_cache)
-        for start, q_len, kv_idx, mask in self.extends:
+        for start, q_len, kv_idx, mask, blocked in self.extends:
             ke, ve = k_cache.index_select(0, kv_idx), v_cache.index_select(0, kv_idx)
-            if self.blocked:
+            if blocked:
                 blocked_extend(q[start : start + q_len], ke, ve, self.scale, out[start : start + q_len])
                 continue
             qe = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
