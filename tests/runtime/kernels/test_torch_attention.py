@@ -84,3 +84,23 @@ def test_blocked_extend_matches_reference_across_block_edges(heads, kv_heads, pr
     out = torch.full_like(q, float("nan"))
     blocked_extend(q, k, v, D**-0.5, out, block=4)
     torch.testing.assert_close(out.float(), _reference(q, k, v, prefix), rtol=2e-2, atol=2e-2)
+
+
+def test_blocked_extend_takes_fewer_rows_a_block_under_the_scores_budget(monkeypatch):
+    """A budget of 16 rows' scores: 40 queries over 140 keys run as blocks of 16 (not 128)."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(40, HEADS, D, generator=gen).bfloat16()
+    k, v = (torch.randn(140, KV_HEADS, D, generator=gen).bfloat16() for _ in range(2))
+    calls = []
+    real_bmm = torch.bmm
+
+    def counting_bmm(a, b):
+        calls.append(a.shape)
+        return real_bmm(a, b)
+
+    out = torch.full_like(q, float("nan"))
+    monkeypatch.setattr(torch, "bmm", counting_bmm)
+    blocked_extend(q, k, v, D**-0.5, out, budget=16 * HEADS * 140)
+    monkeypatch.undo()
+    assert len(calls) == 2 * 3  # blocks of 16, 16 and 8 queries, two products each
+    torch.testing.assert_close(out.float(), _reference(q, k, v, 100), rtol=2e-2, atol=2e-2)

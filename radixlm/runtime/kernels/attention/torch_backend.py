@@ -31,16 +31,20 @@ EXTEND_BLOCK = 128  # queries per block of `blocked_extend`: 64 and 256 measured
 # 32 over 532 0.51 vs 0.54, 64 over 164 0.39 vs 0.47; 32 over 2k 1.93 vs 1.32, 64 over 564 1.17 vs 0.75)
 BLOCKED_MIN_QUERIES = 32
 BLOCKED_MIN_PAIRS = 32768  # queries x keys
+# a block's scores (heads x rows x keys) stay under this many elements: fewer rows a block at long
+# contexts (the default model keeps 128 rows up to ~7k keys), never fewer than 16
+SCORES_BUDGET = 8 * 2**20
 
 
 def blocked_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
-                   block: int = EXTEND_BLOCK) -> None:
+                   block: int = EXTEND_BLOCK, budget: int = SCORES_BUDGET) -> None:
     """Causal attention of one extend into `out` [n, heads, d]: queries q [n, heads, d] at the
     last n positions of keys/values k, v [N, kv_heads, d] (N - n of them a cached prefix).
 
     Each block of queries sees the keys up to its last position; only the block's own diagonal
     square needs the causal mask, added as a bias. A block's scores are [kv_heads, rows * group,
-    keys] in q's dtype (softmax accumulates in fp32)."""
+    keys] in q's dtype (softmax accumulates in fp32), at most `budget` elements where the block
+    can have 16 rows and more."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -50,6 +54,7 @@ def blocked_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     keys_t = k.permute(1, 2, 0)  # [kv, d, N]
     values = v.permute(1, 0, 2)  # [kv, N, d]
     out_groups = out.view(n, kv_heads, group, d)
+    block = max(16, min(block, budget // (heads * k.shape[0])))
     full = min(block, n)
     bias = torch.zeros(full, group, full, dtype=q.dtype, device=q.device)
     bias.masked_fill_(torch.ones(full, full, dtype=torch.bool, device=q.device).triu_(1)[:, None, :], float("-inf"))
