@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixlm.runtime.kernels.attention.base import AttentionMeta
-from radixlm.runtime.kernels.attention.torch_backend import TorchAttention, blocked_extend
+from radixlm.runtime.kernels.attention.torch_backend import TorchAttention, blocked_extend, blocked_prompts
 from radixlm.runtime.kernels.kv_pool import KVPool
 from radixlm.runtime.model.arch import ModelArch
 
@@ -69,9 +69,11 @@ def test_torch_attention_matches_per_head_reference(plan, dtype):
         ref = _reference(q[part], torch.cat([k_old, k[part]]), torch.cat([v_old, v[part]]), cached)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[part].float(), ref, rtol=tol, atol=tol)
-    # bf16 segments of 32+ queries and 32k+ query-key pairs run as blocks, the rest the flash kernel
+    # bf16 segments of 32+ queries and 32k+ query-key pairs run as blocks (without AMX), the rest the flash kernel
+    blocks = blocked_prompts(dtype, torch.device("cpu"))
+    assert blocks == (dtype == torch.bfloat16 and not torch.cpu._is_amx_tile_supported())
     assert [blocked for *_, blocked in att.extends] == [
-        dtype == torch.bfloat16 and new >= 32 and new * (cached + new) >= 32768 for cached, new in plan if new > 1]
+        blocks and new >= 32 and new * (cached + new) >= 32768 for cached, new in plan if new > 1]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
