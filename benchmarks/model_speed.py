@@ -3,7 +3,7 @@ and 16-concurrent throughput; radixlm (each --quantization given: auto = the GGU
 weights on a bf16 CPU, none = dense) next to HF transformers (bf16, same weights) and llama.cpp
 (same GGUF, same threads). Each system runs --reps times, interleaved, so load from other work on
 a shared machine falls on all of them alike; the best of the repetitions is reported (and all of
-them kept in the JSON).
+them kept in the JSON), and next to the ratios of the bests the median of each repetition's own ratio.
 
     python benchmarks/model_speed.py [--reps 3] [--quantizations auto,none] [--skip-hf] [--skip-llama-cpp]
         [--out benchmarks/results/model_speed.json]
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -165,6 +166,10 @@ def main() -> None:
                             "prefill / llama.cpp": b["prefill"] / lc["prefill"]}
             if "decode_bs16" in b:
                 ratios[name]["decode_bs16 / llama.cpp bs1"] = b["decode_bs16"] / lc["decode_bs1"]
+            # each repetition ran both systems back to back: its ratio shares that moment's load
+            for m in ("decode_bs1", "prefill"):
+                ratios[name][f"{m} / llama.cpp, median of reps"] = statistics.median(
+                    o[m] / p[m] for o, p in zip(runs[name], runs["llama.cpp"]))
             print(name, " ".join(f"{k}: {v:.2f}x" for k, v in ratios[name].items()))
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     flag_line = next((ln.split(":", 1)[1].split() for ln in flags.splitlines() if ln.startswith("Flags")), [])
