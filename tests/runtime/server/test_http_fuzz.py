@@ -119,7 +119,26 @@ def bound_work(path: str, body: Any) -> Any:
     elif path in ("/v1/completions", "/v1/chat/completions"):
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = MAX_NEW_TOKENS
+    elif path == "/run_program":
+        _bound_gens(body.get("graph"), limit)
     return body
+
+
+def _bound_gens(node: Any, limit: dict[str, int]) -> None:
+    """Give every gen node of a request graph without a token limit the bound (a valid graph of
+    many gens at the server's default length could outrun the request timeout on a loaded machine)."""
+    if isinstance(node, list):
+        for item in node:
+            _bound_gens(item, limit)
+    elif isinstance(node, dict):
+        if node.get("op") == "gen":
+            sampling = node.get("sampling")
+            if sampling is None:
+                node["sampling"] = dict(limit)
+            elif isinstance(sampling, dict) and sampling.get("max_new_tokens") is None:
+                sampling.update(limit)
+        for value in node.values():
+            _bound_gens(value, limit)
 
 
 def _with_limit(p: Any, limit: dict[str, int]) -> Any:
