@@ -69,9 +69,11 @@ def test_torch_attention_matches_per_head_reference(plan, dtype):
         ref = _reference(q[part], torch.cat([k_old, k[part]]), torch.cat([v_old, v[part]]), cached)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[part].float(), ref, rtol=tol, atol=tol)
-    # bf16 segments of 32+ queries and 32k+ query-key pairs run as blocks (without AMX), the rest the flash kernel
+    # bf16 segments of 32+ queries and 32k+ query-key pairs run as blocks (avx512_bf16 without AMX),
+    # the rest the flash kernel
     blocks = blocked_prompts(dtype, torch.device("cpu"))
-    assert blocks == (dtype == torch.bfloat16 and not torch.cpu._is_amx_tile_supported())
+    assert blocks == (dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported()
+                      and not torch.cpu._is_amx_tile_supported())
     assert [blocked for *_, blocked in att.extends] == [
         blocks and new >= 32 and new * (cached + new) >= 32768 for cached, new in plan if new > 1]
 

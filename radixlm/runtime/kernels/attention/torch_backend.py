@@ -8,16 +8,16 @@ In the decode call, the query heads that share a KV head take the place of the q
 the same keys, so this is the same attention, and PyTorch's CPU kernel runs it 5-7x faster than
 one query per head with `enable_gqa` (SmolLM2's 9 heads over 3 KV heads, 128-1024 keys, bf16).
 
-Extends in bf16 on a CPU without AMX run as blocks of queries instead (`blocked_extend`): there
-PyTorch's CPU flash kernel multiplies bf16 at about fp32's speed (a 1k causal prompt of the default
-model on an avx512_bf16 Zen 4: 12.3 ms a layer in bf16, 11.3-14.3 in fp32), while its plain bf16 matmuls
-reach ~400 GFLOP/s; 128 queries at a time, with the heads that share a KV head stacked as rows, run
-the same causal attention in 7.3-9 ms (1.3-1.9x faster from 512 to 4k tokens, with or without a
-cached prefix; docs/benchmarks.md). With AMX the flash kernel multiplies on the tiles and is 2-4x
-faster than the blocks (an AMX Xeon: 5.7 against 11.3 ms at 1k, 2 threads), so it stays, as it does
-in fp32 (where the blocks are slower) and for short extends (`BLOCKED_MIN_QUERIES`,
-`BLOCKED_MIN_PAIRS`), a jump-forward's few tokens say, where the blocks' fixed ~0.2 ms a layer
-costs more than the flash kernel's whole call.
+Extends in bf16 on a CPU with avx512_bf16 but no AMX run as blocks of queries instead
+(`blocked_extend`): there PyTorch's CPU flash kernel multiplies bf16 at about fp32's speed (a 1k
+causal prompt of the default model on a Zen 4: 12.3 ms a layer in bf16, 11.3-14.3 in fp32), while
+its plain bf16 matmuls reach ~400 GFLOP/s; 128 queries at a time, with the heads that share a KV
+head stacked as rows, run the same causal attention in 7.3-9 ms (1.3-1.9x faster from 512 to 4k
+tokens, with or without a cached prefix; docs/benchmarks.md). With AMX the flash kernel multiplies
+on the tiles and is 2-4x faster than the blocks (an AMX Xeon: 5.7 against 11.3 ms at 1k, 2
+threads), so it stays, as it does without native bf16 (not measured), in fp32 (where the blocks
+are slower) and for short extends (`BLOCKED_MIN_QUERIES`, `BLOCKED_MIN_PAIRS`), a jump-forward's
+few tokens say, where the blocks' fixed ~0.2 ms a layer costs more than the flash kernel's call.
 """
 
 from __future__ import annotations
@@ -39,9 +39,13 @@ SCORES_BUDGET = 8 * 2**20
 
 
 def blocked_prompts(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the torch backend runs long extends as `blocked_extend` (bf16 on a CPU without AMX)."""
+    """Whether the torch backend runs long extends as `blocked_extend`: bf16 on a CPU that
+    multiplies bf16 natively (avx512_bf16, where it was measured) but has no AMX tiles."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    return dtype == torch.bfloat16 and device.type == "cpu" and not amx()
+    return bool(native()) and not amx()
 
 
 def blocked_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
