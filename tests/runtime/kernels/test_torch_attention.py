@@ -80,13 +80,23 @@ def test_torch_attention_matches_per_head_reference(plan, dtype):
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
 @pytest.mark.parametrize("prefix,new", [(0, 13), (0, 4), (9, 10), (30, 1), (5, 3)])
-def test_blocked_extend_matches_reference_across_block_edges(heads, kv_heads, prefix, new):
+def test_blocked_extend_matches_reference_across_block_edges(monkeypatch, heads, kv_heads, prefix, new):
     """Blocks of 4 queries: several blocks, a short last one, a cached prefix, one query."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(new, heads, D, generator=gen).bfloat16()
     k, v = (torch.randn(prefix + new, kv_heads, D, generator=gen).bfloat16() for _ in range(2))
     out = torch.full_like(q, float("nan"))
+    calls = []
+    real_bmm = torch.bmm
+
+    def counting_bmm(a, b):
+        calls.append(a.shape)
+        return real_bmm(a, b)
+
+    monkeypatch.setattr(torch, "bmm", counting_bmm)
     blocked_extend(q, k, v, D**-0.5, out, block=4)
+    monkeypatch.undo()
+    assert len(calls) == 2 * -(-new // 4)  # two products a block of 4
     torch.testing.assert_close(out.float(), _reference(q, k, v, prefix), rtol=2e-2, atol=2e-2)
 
 

@@ -66,7 +66,7 @@ def blocked_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     keys_t = k.permute(1, 2, 0)  # [kv, d, N]
     values = v.permute(1, 0, 2)  # [kv, N, d]
     out_groups = out.view(n, kv_heads, group, d)
-    block = max(16, min(block, budget // (heads * k.shape[0])))
+    block = min(block, max(16, budget // (heads * k.shape[0])))  # the budget never below 16 rows
     full = min(block, n)
     bias = torch.zeros(full, group, full, dtype=q.dtype, device=q.device)
     bias.masked_fill_(torch.ones(full, full, dtype=torch.bool, device=q.device).triu_(1)[:, None, :], float("-inf"))
