@@ -22,6 +22,8 @@ few tokens say, where the blocks' fixed ~0.2 ms a layer costs more than the flas
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +50,14 @@ def blocked_prompts(dtype: torch.dtype, device: torch.device) -> bool:
     return bool(native()) and not amx()
 
 
+@functools.lru_cache(maxsize=8)
+def _diagonal_bias(rows: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The causal mask of a block's diagonal square as an additive bias [rows, group, rows]: -inf
+    where a query would see a later key. Made once per shape, not in every layer (read only)."""
+    above = torch.ones(rows, rows, dtype=torch.bool, device=device).triu_(1)
+    return torch.zeros(rows, group, rows, dtype=dtype, device=device).masked_fill_(above[:, None, :], float("-inf"))
+
+
 def blocked_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
                    block: int = EXTEND_BLOCK, budget: int = SCORES_BUDGET) -> None:
     """Causal attention of one extend into `out` [n, heads, d]: queries q [n, heads, d] at the
@@ -67,9 +77,7 @@ def blocked_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     values = v.permute(1, 0, 2)  # [kv, N, d]
     out_groups = out.view(n, kv_heads, group, d)
     block = min(block, max(16, budget // (heads * k.shape[0])))  # the budget never below 16 rows
-    full = min(block, n)
-    bias = torch.zeros(full, group, full, dtype=q.dtype, device=q.device)
-    bias.masked_fill_(torch.ones(full, full, dtype=torch.bool, device=q.device).triu_(1)[:, None, :], float("-inf"))
+    bias = _diagonal_bias(min(block, n), group, q.dtype, q.device)
     for s in range(0, n, block):
         e = min(n, s + block)
         rows = e - s
