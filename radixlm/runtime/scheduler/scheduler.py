@@ -187,8 +187,8 @@ class Scheduler:
         """Prompt tokens this step may feed: the chunk, but a prompt alone on the server (nothing
         decoding, no other prompt in flight or waiting) up to ``max_prefill_tokens``. Chunks keep
         other requests' tokens coming between the pieces of a long prompt; with none to serve they
-        only cost the prompt speed (a 1k prompt of the default model on 2 CPU cores: one step is
-        ~14% faster than two chunks of 512, whose second attends with a mask)."""
+        only cost the prompt speed (an 8B model's 4k prompt on one H200: one step 1.14x faster than
+        chunks of 512; docs/benchmarks.md)."""
         alone = not decoding and len(prefilling) + len(self.waiting) == 1
         return max(self.prefill_budget, self.config.max_prefill_tokens) if alone else self.prefill_budget
 
