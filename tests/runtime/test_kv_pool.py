@@ -31,5 +31,6 @@ def _resident_fraction(t: torch.Tensor) -> float:
 def test_cpu_pool_is_resident_from_construction():
     pool = KVPool(ARCH, 64 * 1024, torch.float32, "cpu")  # 2 x 134 MB: fresh pages
     assert pool.k.nbytes + pool.v.nbytes == KVPool.bytes_per_token(ARCH, torch.float32) * (64 * 1024 + 1)
-    assert _resident_fraction(pool.k) == 1.0 and _resident_fraction(pool.v) == 1.0
+    assert pool.kv is not None and pool.kv.nbytes == pool.k.nbytes + pool.v.nbytes  # K and V share rows
+    assert _resident_fraction(pool.kv) == 1.0
     assert not pool.k.any() and not pool.v.any()  # zeroed, padding slot 0 included

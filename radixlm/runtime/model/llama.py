@@ -315,13 +315,20 @@ class LlamaModel(nn.Module):
         rows = h.shape[0]
         layers = self.host_layers()
         keep = logit_rows if logit_rows is not None and logit_rows.numel() < rows else None
+        # q and k rotated with v in one tensor, whose K and V heads the backend stores in one copy
+        joined = getattr(backend, "forward_joined", None)
+        cos, sin = rotary.tables_with_values(qk_heads, a.num_kv_heads)
         for layer in layers:
             qkv_proj, o_proj, gate_up_proj, down_proj = layer.few if rows <= layer.few_rows else layer.linears
             x = host_rms_norm(h if layer.index == 0 else residual.add_(h), layer.norm1, layer.eps1)
             qkv = qkv_proj(x)
             heads = qkv.view(rows, qk_heads + a.num_kv_heads, a.head_dim)  # q, k, v heads
-            q, k = rotary.apply(heads[:, :qk_heads], a.num_heads)
-            attended = backend.forward(layer.index, q, k, heads[:, qk_heads:])
+            if joined is not None:
+                rotated = rotary.rotate(heads, cos, sin)
+                attended = joined(layer.index, rotated[:, : a.num_heads], rotated[:, a.num_heads :])
+            else:
+                q, k = rotary.apply(heads[:, :qk_heads], a.num_heads)
+                attended = backend.forward(layer.index, q, k, heads[:, qk_heads:])
             if keep is not None and layer is layers[-1]:
                 attended, residual = attended[keep], residual[keep]
             residual.add_(o_proj(attended))

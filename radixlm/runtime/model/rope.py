@@ -78,9 +78,24 @@ class RotaryBatch:
             q, k = qk[:, :num_heads], qk[:, num_heads:]
             fused.rotary_(q, k, self.positions, self.cos, self.sin)
             return q, k
-        swapped = qk.roll(qk.shape[-1] // 2, -1)  # the two halves exchanged
-        rotated = qk * self.cos + swapped * self.sin
+        rotated = self.rotate(qk, self.cos, self.sin)
         return rotated[:, :num_heads], rotated[:, num_heads:]
+
+    def tables_with_values(self, qk_heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Off CUDA: cos and signed sin [T, qk_heads + kv_heads, d] for `rotate` over all of a
+        token's q, k and v heads: the q/k tables, then 1 and 0 for the V heads, which the rotation
+        then leaves as they are (v * 1 + w * 0 = v for finite values). The CPU layer loop rotates
+        the q/k/v projection so, in one tensor whose K and V heads stay side by side."""
+        t, _, d = self.cos.shape
+        ones = torch.ones(t, kv_heads, d, dtype=self.cos.dtype, device=self.cos.device)
+        cos = torch.cat([self.cos.expand(t, qk_heads, d), ones], 1)
+        sin = torch.cat([self.sin.expand(t, qk_heads, d), torch.zeros_like(ones)], 1)
+        return cos, sin
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x * cos + swap_halves(x) * signed_sin, each product rounded as `apply_rotary` rounds."""
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,13 @@ def test_torch_attention_matches_per_head_reference(plan, dtype):
     q = torch.randn(total, HEADS, D, generator=gen).to(dtype)
     k, v = (torch.randn(total, KV_HEADS, D, generator=gen).to(dtype) for _ in range(2))
     att.prepare(AttentionMeta(torch.cat(new_slots), table, list(range(len(plan))), q_starts, q_lens, kv_lens))
+    before = pool.kv.clone()
     out = att.forward(0, q, k, v).view(total, HEADS, D)
+    # the CPU layer loop's call: K and V as one tensor, stored in one copy, the same attention
+    after, pool.kv[:] = pool.kv.clone(), before
+    joined = att.forward_joined(0, q, torch.cat([k, v], 1)).view(total, HEADS, D)
+    assert torch.equal(joined, out) and torch.equal(pool.kv, after)
+    assert torch.equal(pool.k[0, torch.cat(new_slots)], k) and torch.equal(pool.v[0, torch.cat(new_slots)], v)
     for (cached, new), start, (k_old, v_old) in zip(plan, q_starts, history):
         part = slice(start, start + new)
         ref = _reference(q[part], torch.cat([k_old, k[part]]), torch.cat([v_old, v[part]]), cached)

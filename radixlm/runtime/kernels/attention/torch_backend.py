@@ -138,16 +138,24 @@ class TorchAttention:
             self.extends.append((meta.q_starts[i], q_len, kv_idx, mask, blocked))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        meta = self.meta
-        self.pool.write(layer, meta.out_slots, k, v)
-        k_cache, v_cache = self.pool.k_layers[layer], self.pool.v_layers[layer]
+        self.pool.write(layer, self.meta.out_slots, k, v)
+        return self._attend(layer, q)
+
+    def forward_joined(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """`forward` with the new K and V as one [T, 2 * kv_heads, d] tensor (each token's K heads,
+        then its V heads), written in one copy to a host pool (`KVPool.write_joined`)."""
+        self.pool.write_joined(layer, self.meta.out_slots, kv)
+        return self._attend(layer, q)
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q [T, heads, d] over each sequence's context, the new K/V already stored."""
         if self.decode_only:
-            return self._decode(q[self.decode_tokens], k_cache, v_cache).reshape(q.shape[0], -1)
+            return self._decode(layer, q[self.decode_tokens]).reshape(q.shape[0], -1)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if self.decode_tokens is not None:
-            out[self.decode_tokens] = self._decode(q[self.decode_tokens], k_cache, v_cache)
+            out[self.decode_tokens] = self._decode(layer, q[self.decode_tokens])
         for start, q_len, kv_idx, mask, blocked in self.extends:
-            ke, ve = k_cache.index_select(0, kv_idx), v_cache.index_select(0, kv_idx)
+            ke, ve = self._gather(layer, kv_idx)
             if blocked:
                 blocked_extend(q[start : start + q_len], ke, ve, self.scale, out[start : start + q_len])
                 continue
@@ -159,12 +167,23 @@ class TorchAttention:
             out[start : start + q_len] = oe.squeeze(0).transpose(0, 1)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V [len(slots), kv_heads, d] at `slots` of `layer`: from a host pool, where
+        K and V share a row, one `index_select` (several times faster than advanced indexing on
+        the CPU) and its two halves."""
+        pool = self.pool
+        if pool.kv_layers is not None:
+            both = pool.kv_layers[layer].index_select(0, slots)
+            heads = both.shape[1] // 2
+            return both[:, :heads], both[:, heads:]
+        return pool.k_layers[layer].index_select(0, slots), pool.v_layers[layer].index_select(0, slots)
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of the decode queries q [B, heads, d] -> [B, heads, d]."""
-        b, _, kv_heads, d = self.decode_shape
+        b, max_kv, kv_heads, d = self.decode_shape
         qd = q.reshape(b, kv_heads, self.num_heads // kv_heads, d)  # heads sharing a KV head as queries
-        # index_select is several times faster than advanced indexing on CPU
-        kd = k_cache.index_select(0, self.decode_kv_idx).view(self.decode_shape).transpose(1, 2)
-        vd = v_cache.index_select(0, self.decode_kv_idx).view(self.decode_shape).transpose(1, 2)
+        k, v = self._gather(layer, self.decode_kv_idx)
+        kd = k.view(self.decode_shape).transpose(1, 2)  # [B, kv_heads, L, d]
+        vd = v.view(self.decode_shape).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale)
         return od.reshape(b, self.num_heads, d)
