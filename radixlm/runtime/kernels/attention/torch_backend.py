@@ -149,11 +149,11 @@ class TorchAttention:
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of q [T, heads, d] over each sequence's context, the new K/V already stored."""
-        if self.decode_only:
-            return self._decode(layer, q[self.decode_tokens]).reshape(q.shape[0], -1)
+        if self.decode_only:  # (then the decodes' tokens are all of q, in order)
+            return self._decode(layer, q)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if self.decode_tokens is not None:
-            out[self.decode_tokens] = self._decode(layer, q[self.decode_tokens])
+            out.view(q.shape[0], -1)[self.decode_tokens] = self._decode(layer, q[self.decode_tokens])
         for start, q_len, kv_idx, mask, blocked in self.extends:
             ke, ve = self._gather(layer, kv_idx)
             if blocked:
@@ -179,11 +179,16 @@ class TorchAttention:
         return pool.k_layers[layer].index_select(0, slots), pool.v_layers[layer].index_select(0, slots)
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention of the decode queries q [B, heads, d] -> [B, heads, d]."""
+        """Attention of the decode queries q [B, heads, d] -> [B, heads * d]."""
         b, max_kv, kv_heads, d = self.decode_shape
         qd = q.reshape(b, kv_heads, self.num_heads // kv_heads, d)  # heads sharing a KV head as queries
-        k, v = self._gather(layer, self.decode_kv_idx)
-        kd = k.view(self.decode_shape).transpose(1, 2)  # [B, kv_heads, L, d]
-        vd = v.view(self.decode_shape).transpose(1, 2)
+        if self.pool.kv_layers is not None:  # a host pool: [B, 2 * kv_heads, L, d] in one gather, then halves
+            both = self.pool.kv_layers[layer].index_select(0, self.decode_kv_idx)
+            both = both.view(b, max_kv, 2 * kv_heads, d).transpose(1, 2)
+            kd, vd = both[:, :kv_heads], both[:, kv_heads:]
+        else:
+            k, v = self._gather(layer, self.decode_kv_idx)
+            kd = k.view(self.decode_shape).transpose(1, 2)  # [B, kv_heads, L, d]
+            vd = v.view(self.decode_shape).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale)
-        return od.reshape(b, self.num_heads, d)
+        return od.reshape(b, self.num_heads * d)
