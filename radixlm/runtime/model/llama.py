@@ -24,6 +24,7 @@ from radixlm.runtime.distributed.group import TPGroup
 from radixlm.runtime.distributed.layers import RowParallelLinear, VocabParallelEmbedding, gather_logits
 from radixlm.runtime.distributed.sharding import ShardPlan
 from radixlm.runtime.kernels.attention import AttentionBackend
+from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
 from radixlm.runtime.kernels.packed import DenseLinear
 from radixlm.runtime.kernels.quant import WeightOnlyLinear
 from radixlm.runtime.model.arch import ModelArch
@@ -61,7 +62,7 @@ class HostStream:
 
     def _halves(self) -> None:
         if self.pair is not None:
-            n = self.pair.shape[1] // 2
+            self._n = n = self.pair.shape[1] // 2
             self.residual, self._negated, self._shape = self.pair[:, :n], self.pair[:, n:], (2 * n,)
 
     def norm(self, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,7 +70,7 @@ class HostStream:
         if self.pair is None:
             return host_rms_norm(self.residual, weight, eps)
         torch.neg(self.residual, out=self._negated)
-        return weight * torch.layer_norm(self.pair, self._shape, None, None, eps)[:, : self._shape[0] // 2]
+        return weight * torch.layer_norm(self.pair, self._shape, None, None, eps)[:, : self._n]
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only these rows from here on."""
@@ -348,7 +349,7 @@ class LlamaModel(nn.Module):
         layers = self.host_layers()
         keep = logit_rows if logit_rows is not None and logit_rows.numel() < rows else None
         # q and k rotated with v in one tensor, whose K and V heads the backend stores in one copy
-        joined = getattr(backend, "forward_joined", None)
+        assert isinstance(backend, TorchAttention), "off CUDA the layers run on the torch attention backend"
         cos, sin = rotary.tables_with_values(qk_heads, a.num_kv_heads)
         for layer in layers:
             qkv_proj, o_proj, gate_up_proj, down_proj = layer.few if rows <= layer.few_rows else layer.linears
@@ -357,12 +358,8 @@ class LlamaModel(nn.Module):
             x = stream.norm(layer.norm1, layer.eps1)
             qkv = qkv_proj(x)
             heads = qkv.view(rows, qk_heads + a.num_kv_heads, a.head_dim)  # q, k, v heads
-            if joined is not None:
-                rotated = rotary.rotate(heads, cos, sin)
-                attended = joined(layer.index, rotated[:, : a.num_heads], rotated[:, a.num_heads :])
-            else:
-                q, k = rotary.apply(heads[:, :qk_heads], a.num_heads)
-                attended = backend.forward(layer.index, q, k, heads[:, qk_heads:])
+            rotated = rotary.rotate(heads, cos, sin)
+            attended = backend.forward_joined(layer.index, rotated[:, : a.num_heads], rotated[:, a.num_heads :])
             if keep is not None and layer is layers[-1]:
                 attended = attended[keep]
                 stream.keep(keep)

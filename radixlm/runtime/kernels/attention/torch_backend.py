@@ -180,15 +180,10 @@ class TorchAttention:
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of the decode queries q [B, heads, d] -> [B, heads * d]."""
-        b, max_kv, kv_heads, d = self.decode_shape
+        b, _, kv_heads, d = self.decode_shape
         qd = q.reshape(b, kv_heads, self.num_heads // kv_heads, d)  # heads sharing a KV head as queries
-        if self.pool.kv_layers is not None:  # a host pool: [B, 2 * kv_heads, L, d] in one gather, then halves
-            both = self.pool.kv_layers[layer].index_select(0, self.decode_kv_idx)
-            both = both.view(b, max_kv, 2 * kv_heads, d).transpose(1, 2)
-            kd, vd = both[:, :kv_heads], both[:, kv_heads:]
-        else:
-            k, v = self._gather(layer, self.decode_kv_idx)
-            kd = k.view(self.decode_shape).transpose(1, 2)  # [B, kv_heads, L, d]
-            vd = v.view(self.decode_shape).transpose(1, 2)
+        k, v = self._gather(layer, self.decode_kv_idx)
+        kd = k.view(self.decode_shape).transpose(1, 2)  # [B, kv_heads, L, d]
+        vd = v.view(self.decode_shape).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale)
         return od.reshape(b, self.num_heads * d)
