@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixlm.runtime.kernels import native, native_ir
+from radixlm.runtime.kernels.native import BlockProduct
 from radixlm.runtime.kernels.packed import DenseLinear
 
 GROUP = 32  # weights per scale/zero pair in int4 (the GGUF Q4_0/Q4_1 block)
@@ -38,6 +40,25 @@ def _groups(weight: torch.Tensor, method: str) -> torch.Tensor:
     if k % GROUP:
         raise ValueError(f"{method} needs input sizes divisible by {GROUP}; this layer has {k}")
     return weight.float().view(n, k // GROUP, GROUP)
+
+
+def q4_1_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float [N, K] weight as 4-bit groups of 32 between their min and max (as GGUF Q4_1):
+    (q [N, K] int32 in 0..15, scale, minimum [N, K / 32]) with w ~ scale * q + minimum."""
+    g = _groups(weight, "q4")
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(weight.shape)
+    return q, scale, lo
+
+
+def q8_0_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float [N, K] weight as 8-bit groups of 32 (as GGUF Q8_0): (q [N, K] int32 in -127..127,
+    scale [N, K / 32]) with w ~ scale * q, scale = max|w| / 127."""
+    g = _groups(weight, "8-bit blocks")
+    scales = (g.abs().amax(-1) / 127).clamp_min(1e-12)
+    q = torch.round(g / scales[..., None]).clamp(-127, 127).to(torch.int32).view(weight.shape)
+    return q, scales
 
 
 class WeightOnlyLinear(nn.Module):
@@ -160,10 +181,7 @@ class Int4Linear(WeightOnlyLinear):
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
                    keep_dense: bool = False, dense_above: int | None = None) -> Int4Linear:
         """Quantize a float [N, K] weight per group of 32 between its min and max (as Q4_1)."""
-        g = _groups(weight, "q4")
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp_min(1e-12)
-        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(weight.shape)
+        q, scale, lo = q4_1_of(weight)
         out = cls.from_affine(q, scale, lo, dtype, bias, keep_dense=False, dense_above=dense_above)
         if keep_dense:
             out.dense = DenseLinear(weight.to(dtype), out.bias)
@@ -216,13 +234,101 @@ class Int8BlockLinear(Int4Linear):
     def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
                    keep_dense: bool = False, dense_above: int | None = None) -> Int8BlockLinear:
         """Quantize a float [N, K] weight per group of 32 (as Q8_0): scale = max|w| / 127."""
-        g = _groups(weight, "8-bit blocks")
-        scales = (g.abs().amax(-1) / 127).clamp_min(1e-12)
-        q = torch.round(g / scales[..., None]).clamp(-127, 127).to(torch.int32).view(weight.shape)
+        q, scales = q8_0_of(weight)
         out = cls(q, scales, dtype, _opt(bias, dtype), None, dense_above)
         if keep_dense:
             out.dense = DenseLinear(weight.to(dtype), out.bias)
         return out
+
+
+class NativeBlockLinear(WeightOnlyLinear):
+    """4- or 8-bit weight blocks (w = scale * u + minimum per 32 along K) multiplied by the
+    native VNNI kernels (radixlm.runtime.kernels.native) with int8 activation blocks, as
+    llama.cpp multiplies at batch 1: the weights read at the memory's speed, where torch's int4
+    kernel converts each to a float. Used in place of `Int4Linear` / `Int8BlockLinear` where the
+    processor has AVX-512 VNNI and bf16 (`native.available()`), for bf16 activations."""
+
+    def __init__(self, product: BlockProduct, method: str, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None, dense_above: int | None = None) -> None:
+        super().__init__(product.n, product.k, bias, dense, dense_above)
+        self.product = product
+        self.method = method
+
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+    def row_product(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.product
+
+    @classmethod
+    def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
+                    bias: torch.Tensor | None = None, keep_dense: bool = False,
+                    dense_above: int | None = None) -> NativeBlockLinear:
+        """From w = scale * q + minimum per group, q in 0..15 (GGUF Q4_1; Q4_0 and Q4_K map onto it)."""
+        dense = None
+        if keep_dense:
+            dense = (q.float().view(*scale.shape, GROUP) * scale.float()[..., None]
+                     + minimum.float()[..., None]).view(q.shape).to(dtype)
+        product = BlockProduct.affine(q, scale.float(), minimum.float(), bits=4)
+        return cls(product, "q4", _opt(bias, dtype), dense, dense_above)
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                    keep_dense: bool = False, dense_above: int | None = None) -> NativeBlockLinear:
+        """From w = scale * q per group, q in -128..127 (GGUF Q8_0): u = q + 128, minimum -128 scale."""
+        s = scale.float()
+        dense = None
+        if keep_dense:
+            dense = (q.float().view(*s.shape, GROUP) * s[..., None]).view(q.shape).to(dtype)
+        product = BlockProduct.affine(q.to(torch.int32) + 128, s, -128 * s, bits=8)
+        return cls(product, "q8_0", _opt(bias, dtype), dense, dense_above)
+
+
+def uses_native(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether block weights for `dtype` activations go to the native kernels (bf16, K a
+    multiple of their 64-weight chunk, a processor they run on)."""
+    return dtype == torch.bfloat16 and in_features % native_ir.CHUNK == 0 and native.available()
+
+
+def four_bit_linear(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
+                    bias: torch.Tensor | None = None, keep_dense: bool = False,
+                    dense_above: int | None = None) -> WeightOnlyLinear:
+    """A layer of 4-bit blocks (w = scale * q + minimum, q in 0..15): native kernels where they
+    run, else torch's int4 kernel."""
+    make = NativeBlockLinear.from_affine if uses_native(dtype, q.shape[1]) else Int4Linear.from_affine
+    return make(q, scale, minimum, dtype, bias, keep_dense=keep_dense, dense_above=dense_above)
+
+
+def eight_bit_linear(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                     keep_dense: bool = False, dense_above: int | None = None) -> WeightOnlyLinear:
+    """A layer of 8-bit blocks (w = scale * q, q in -128..127): native kernels where they run,
+    else torch's int4 kernel as two halves."""
+    make = NativeBlockLinear.from_blocks if uses_native(dtype, q.shape[1]) else Int8BlockLinear.from_blocks
+    return make(q, scale, dtype, bias, keep_dense=keep_dense, dense_above=dense_above)
+
+
+def q8_from_float(weight: torch.Tensor, dtype: torch.dtype, keep_dense: bool = False,
+                  dense_above: int | None = None) -> WeightOnlyLinear:
+    """A float [N, K] weight as 8-bit blocks of 32 (as Q8_0), on the native kernels where they run."""
+    if not uses_native(dtype, weight.shape[1]):
+        return Int8BlockLinear.from_float(weight, dtype, keep_dense=keep_dense, dense_above=dense_above)
+    q, scales = q8_0_of(weight)
+    out = NativeBlockLinear.from_blocks(q, scales, dtype, dense_above=dense_above)
+    if keep_dense:
+        out.dense = DenseLinear(weight.to(dtype), out.bias)
+    return out
+
+
+def q4_from_float(weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                  keep_dense: bool = False, dense_above: int | None = None) -> WeightOnlyLinear:
+    """--quantization q4 of a float [N, K] weight: per group of 32 between its min and max (as Q4_1)."""
+    if not uses_native(dtype, weight.shape[1]):
+        return Int4Linear.from_float(weight, dtype, bias, keep_dense, dense_above)
+    q, scale, lo = q4_1_of(weight)
+    out = NativeBlockLinear.from_affine(q, scale, lo, dtype, bias, dense_above=dense_above)
+    if keep_dense:
+        out.dense = DenseLinear(weight.to(dtype), out.bias)
+    return out
 
 
 @functools.cache
@@ -269,7 +375,7 @@ def _opt(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 # --quantization method -> how a float [N, K] weight becomes a quantized layer
 QuantizeFn = Callable[..., WeightOnlyLinear]
-QUANT_METHODS: dict[str, QuantizeFn] = {"int8": Int8Linear.from_float, "q4": Int4Linear.from_float,
+QUANT_METHODS: dict[str, QuantizeFn] = {"int8": Int8Linear.from_float, "q4": q4_from_float,
                                          "fp16": Fp16Linear.from_float}
 # the methods a GGUF file's own blocks load into (radixlm/runtime/model/gguf_quant.py); others
 # are made from the loaded float weights

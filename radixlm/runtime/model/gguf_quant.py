@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixlm.runtime.kernels.quant import Int4Linear, Int8BlockLinear, Int8Linear, WeightOnlyLinear
+from radixlm.runtime.kernels.quant import Int8Linear, WeightOnlyLinear, eight_bit_linear, four_bit_linear, q8_from_float
 from radixlm.runtime.model.gguf_convert import _unpermute_rope_rows
 
 # our fused layer -> the GGUF tensors it stacks (rows in this order)
@@ -132,17 +132,17 @@ class GGUFLinears:
         kinds = {t.tensor_type.name for _, t in parts}
         if method == "q4" and kinds <= set(FOUR_BIT):
             q, scale, minimum = self._stacked(parts, four_bit_blocks)
-            return Int4Linear.from_affine(q.to(torch.int32), scale, minimum, dtype, keep_dense=keep,
-                                          dense_above=dense_above)
+            return four_bit_linear(q.to(torch.int32), scale, minimum, dtype, keep_dense=keep,
+                                   dense_above=dense_above)
         # 8-bit blocks run on the int4 kernel, whose fast path is bf16: in fp32 the default model's
         # head took 52 ms a row that way against 13 ms as int8 per row (Zen 4)
         blocks = method == "q4" and dtype == torch.bfloat16
         if blocks and kinds == {"Q8_0"}:
             q, scale = self._stacked(parts, q8_0_blocks)
-            return Int8BlockLinear.from_blocks(q, scale, dtype, keep_dense=keep, dense_above=dense_above)
+            return eight_bit_linear(q, scale, dtype, keep_dense=keep, dense_above=dense_above)
         (weight,) = self._stacked(parts, _dequantized)
         if blocks and weight.shape[1] % 32 == 0:  # 8-bit blocks of 32, as Q8_0
-            return Int8BlockLinear.from_float(weight, dtype, keep_dense=keep, dense_above=dense_above)
+            return q8_from_float(weight, dtype, keep_dense=keep, dense_above=dense_above)
         return Int8Linear.from_float(weight, dtype, keep_dense=keep, dense_above=dense_above)
 
     def layer(self, index: int, ours: str, method: str, dtype: torch.dtype,

@@ -11,6 +11,7 @@ loop over the layers' bound modules (`LlamaModel._forward_host`).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,10 +24,11 @@ from torch import nn
 from radixlm.runtime.distributed.group import TPGroup
 from radixlm.runtime.distributed.layers import RowParallelLinear, VocabParallelEmbedding, gather_logits
 from radixlm.runtime.distributed.sharding import ShardPlan
+from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.attention import AttentionBackend
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
 from radixlm.runtime.kernels.packed import DenseLinear
-from radixlm.runtime.kernels.quant import WeightOnlyLinear
+from radixlm.runtime.kernels.quant import NativeBlockLinear, WeightOnlyLinear
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
 
@@ -269,6 +271,7 @@ class LlamaModel(nn.Module):
         # the LM head as a module of its own on the CPU: weight-only quantized, or packed (loader.py)
         self.host_head: nn.Module | None = None
         self._host_layers: list[HostLayer] | None = None  # bound at the first CPU forward
+        self._native_rows: int | None = None  # steps of up to this many rows run native.busy()
 
     def host_layers(self) -> list[HostLayer]:
         """The layers bound for the CPU loop; `rebind()` after replacing a layer's modules."""
@@ -277,7 +280,7 @@ class LlamaModel(nn.Module):
         return self._host_layers
 
     def rebind(self) -> None:
-        self._host_layers = None
+        self._host_layers, self._native_rows = None, None
 
     def packed_weights(self) -> int:
         """How many weight matrices (layers, LM head, quantized layers' dense copies) are packed
@@ -312,11 +315,25 @@ class LlamaModel(nn.Module):
             if logit_rows is not None:
                 h, residual = h[logit_rows], residual[logit_rows]
         else:
-            h, residual = self._forward_host(h, rotary, backend, logit_rows)
+            with self._native_busy(h.shape[0]):
+                h, residual = self._forward_host(h, rotary, backend, logit_rows)
+                return self._logits(h, residual)
+        return self._logits(h, residual)
+
+    def _logits(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = self.norm.add_forward(h, residual)
         if self.host_head is not None:
             return cast("torch.Tensor", self.host_head(h)).float()
         return self._whole_vocab(linear(h, self.lm_head_weight).float())
+
+    def _native_busy(self, rows: int) -> contextlib.AbstractContextManager[None]:
+        """A CPU step whose products run on the native kernels' threads (radixlm.runtime.kernels.
+        native.busy): its workers spin between the products and torch's ops keep to this thread."""
+        if self._native_rows is None:
+            native_products = any(isinstance(m, NativeBlockLinear) for m in self.modules())
+            rows_each = [layer.few_rows for layer in self.host_layers()] + [native_ir.MAX_ROWS]
+            self._native_rows = min(rows_each) if native_products else 0
+        return native.busy() if rows <= self._native_rows else contextlib.nullcontext()
 
     def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary rows of the logits -> all of them."""

@@ -1,0 +1,198 @@
+"""The CPU's block-quantized products, compiled at start by LLVM (the llvmlite wheel brings it, so a
+user's machine needs no compiler): 4-bit (GGUF Q4_1/Q4_0/Q4_K) and 8-bit (Q8_0) weight blocks
+times int8 activation blocks through AVX-512 VNNI, as llama.cpp multiplies at batch 1. torch's own
+int4 kernel converts each weight to a float and stays compute-bound (~16 GB/s on a Zen 4 core
+pair); these read the weights at the memory's speed. The IR and its layout: native_ir.py.
+
+`BlockProduct` holds one matrix in the kernels' layout and multiplies [rows, K] bf16 activations
+(rows <= native_ir.MAX_ROWS per call; more in turn). The threads: the product's output rows are
+split between the caller and `threads - 1` workers started on first use; `busy()` marks a forward
+pass, during which the workers spin for the next product instead of sleeping (and torch's own
+ops run on one thread, so that nothing waits on a spinning core).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import functools
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from radixlm.runtime.kernels import native_ir
+
+GROUP = 32
+_NEEDS = ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni", "+avx512bf16", "+f16c")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this process can use the kernels: llvmlite importable, a processor with AVX-512
+    VNNI and bf16, and not turned off (RADIXLM_NATIVE=0)."""
+    if os.environ.get("RADIXLM_NATIVE", "1") == "0":
+        return False
+    try:
+        import llvmlite.binding as llvm  # type: ignore[import-untyped]
+    except ImportError:
+        return False
+    features = set(llvm.get_host_cpu_features().flatten().split(","))
+    return all(f in features for f in _NEEDS)
+
+
+class _Library:
+    """The compiled module, its entry points, and the worker threads of this process."""
+
+    def __init__(self) -> None:
+        import llvmlite.binding as llvm
+
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        target = llvm.Target.from_default_triple()
+        self.machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(),
+                                                    features=llvm.get_host_cpu_features().flatten(), opt=3)
+        module = llvm.parse_assembly(native_ir.module_ir())
+        module.verify()
+        builder = llvm.create_pass_builder(self.machine, llvm.create_pipeline_tuning_options(speed_level=3))
+        builder.getModulePassManager().run(module, builder)
+        self.engine = llvm.create_mcjit_compiler(module, self.machine)
+        self.engine.finalize_object()
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        address = self.engine.get_function_address
+        self.product = ctypes.CFUNCTYPE(None, p, p, p, p, i, i)(address("product"))
+        self.worker = ctypes.CFUNCTYPE(None, p, i)(address("worker"))
+        self.wake = ctypes.CFUNCTYPE(None, p, i)(address("wake"))
+        self.control = torch.zeros(native_ir.CONTROL_SLOTS, dtype=torch.int64)
+        self.control_address = self.control.data_ptr()
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+        self.threads_started = False
+        self.busy_depth = 0
+        atexit.register(self.stop)
+        os.register_at_fork(after_in_child=self._forked)
+
+    @property
+    def workers(self) -> int:
+        return len(self.threads)
+
+    def start(self) -> None:
+        """Start the workers of this process: torch's thread count - 1 (none on one thread)."""
+        if self.threads_started:
+            return
+        self.threads_started, self.threads = True, []
+        self.control.zero_()
+        for index in range(max(0, min(torch.get_num_threads(), 64) - 1)):
+            thread = threading.Thread(target=self.worker, args=(self.control_address, index), daemon=True,
+                                      name=f"radixlm-native-{index}")
+            thread.start()
+            self.threads.append(thread)
+
+    def _forked(self) -> None:
+        """In a forked child the workers are not there: start them again on first use."""
+        self.threads, self.threads_started, self.busy_depth = [], False, 0
+        self.lock = threading.Lock()
+
+    def stop(self) -> None:
+        if not self.threads:
+            return
+        self.control[native_ir.STOP] = 1
+        self.control[native_ir.SEQ] += 1
+        self.wake(self.control_address, self.workers)
+        for thread in self.threads:
+            thread.join(timeout=1.0)
+        self.threads, self.threads_started = [], False
+
+
+@functools.cache
+def library() -> _Library:
+    if not available():
+        raise RuntimeError("the native block products need llvmlite and a processor with AVX-512 VNNI and bf16")
+    return _Library()
+
+
+@contextlib.contextmanager
+def busy() -> Iterator[None]:
+    """A forward pass of few rows: the workers spin between its products, and torch's own ops
+    run on this thread alone (a spinning worker holds the other cores)."""
+    lib = library()
+    lib.start()
+    threads = torch.get_num_threads()
+    lib.busy_depth += 1
+    if lib.busy_depth == 1 and lib.workers:
+        lib.control[native_ir.BUSY] = 1
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        lib.busy_depth -= 1
+        if lib.busy_depth == 0 and lib.workers:
+            lib.control[native_ir.BUSY] = 0
+            torch.set_num_threads(threads)
+
+
+def pack_blocks(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int) -> torch.Tensor:
+    """The kernels' layout of w = scale * u + minimum per block of 32: u [N, K] unsigned integers
+    (0..15 for 4 bits, 0..255 for 8), scale and minimum [N, K / 32]. Returns [N, K / 64 * bytes]
+    uint8: per chunk of 64 weights the integers (4-bit: block 0 low nibbles, block 1 high), then
+    fp16 [d0, d1, m0, m1]."""
+    n, k = u.shape
+    if k % native_ir.CHUNK or scale.shape != (n, k // GROUP) or minimum.shape != scale.shape:
+        raise ValueError(f"block weights need K divisible by {native_ir.CHUNK} and one scale/minimum per "
+                         f"{GROUP}; got {tuple(u.shape)} with scales {tuple(scale.shape)}")
+    chunks = k // native_ir.CHUNK
+    q = u.to(torch.uint8).view(n, chunks, 2, GROUP)
+    ints = q[:, :, 0] | (q[:, :, 1] << 4) if bits == 4 else q.reshape(n, chunks, native_ir.CHUNK)
+    scales = torch.cat([scale.view(n, chunks, 2), minimum.view(n, chunks, 2)], -1).half().contiguous()
+    return torch.cat([ints, scales.view(torch.uint8)], -1).contiguous().view(n, chunks * native_ir.CHUNK_BYTES[bits])
+
+
+class BlockProduct:
+    """y = x @ W^T for W held in the kernels' layout; x [rows, K] bf16 -> y [rows, N] bf16."""
+
+    def __init__(self, packed: torch.Tensor, n: int, k: int, bits: int) -> None:
+        self.lib = library()
+        self.packed, self.n, self.k, self.bits = packed, n, k, bits
+        chunks = k // native_ir.CHUNK
+        # scratch for the quantized activations, and the descriptor the kernels read
+        self.quantized = torch.empty(native_ir.MAX_ROWS * k, dtype=torch.int8)
+        self.act_scales = torch.empty(native_ir.MAX_ROWS * chunks * 4, dtype=torch.float32)
+        fields = {"bits": bits, "wi": packed.data_ptr(), "aqi": self.quantized.data_ptr(),
+                  "asci": self.act_scales.data_ptr(), "n": n, "nch": chunks}
+        self.descriptor = torch.tensor([fields[f] for f in native_ir.DESC_FIELDS], dtype=torch.int64)
+        self.descriptor_address = self.descriptor.data_ptr()
+
+    @classmethod
+    def affine(cls, u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int) -> BlockProduct:
+        n, k = u.shape
+        return cls(pack_blocks(u, scale, minimum, bits), n, k, bits)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"the native product takes [rows, {self.k}] bf16; got {tuple(x.shape)} {x.dtype}")
+        rows = x.shape[0]
+        if rows > native_ir.MAX_ROWS:
+            return self._in_turn(x)
+        x = x.contiguous()
+        y = torch.empty((rows, self.n), dtype=torch.bfloat16)
+        lib = self.lib
+        with lib.lock:
+            if not lib.threads_started:
+                lib.start()
+            lib.product(lib.control_address, self.descriptor_address, x.data_ptr(), y.data_ptr(), rows, lib.workers)
+        return y
+
+    def _in_turn(self, x: torch.Tensor) -> torch.Tensor:
+        """More rows than one call takes: MAX_ROWS at a time (each reads the weights again)."""
+        with busy():
+            return torch.cat([self(x[r : r + native_ir.MAX_ROWS]) for r in range(0, x.shape[0], native_ir.MAX_ROWS)])
+
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def describe() -> dict[str, Any]:
+    return {"available": available()}

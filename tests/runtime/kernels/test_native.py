@@ -1,0 +1,83 @@
+"""The native block products (radixlm.runtime.kernels.native): exact against the same arithmetic
+in torch (int8 activation blocks, integer block sums, fp32 scales), the same with and without
+worker threads, and their layout's errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm.runtime.kernels import native, native_ir
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs llvmlite and AVX-512 VNNI + bf16")
+
+
+def _blocks(bits: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 2**bits, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    minimum = (-(2 ** (bits - 1)) * scale - torch.rand(n, k // 32, generator=g) * 1e-3).half().float()
+    return u, scale, minimum
+
+
+def _reference(x: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The kernels' arithmetic in float64: x to int8 per block of 32 (round half to even), exact
+    integer block sums, then the scales."""
+    rows, k = x.shape
+    xb = x.float().view(rows, k // 32, 32)
+    amax = xb.abs().amax(-1)
+    da = amax / 127
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    qa = torch.round(xb * inv[..., None])  # (torch.round: half to even, as the kernel's rint)
+    ub = u.double().view(u.shape[0], k // 32, 32)
+    sums = torch.einsum("rbi,nbi->rnb", qa.double(), ub)  # exact in float64
+    sa = (da.double() * qa.double().sum(-1))
+    return (sums * (scale.double()[None] * da.double()[:, None]) + minimum.double()[None] * sa[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_product_is_the_int8_block_arithmetic(bits, rows):
+    n, k = 200, 320
+    u, scale, minimum = _blocks(bits, n, k, seed=bits * 10 + rows)
+    product = native.BlockProduct.affine(u, scale, minimum, bits)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    x[0, :32] = 0  # an all-zero block
+    got = product(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    ref = _reference(x, u, scale, minimum)
+    # only the fp32 scale products and the order of the fp32 sums differ, then bf16 rounding
+    assert torch.allclose(got.double(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+    # and against the weights in fp32: within int8 activation blocks' error
+    w = (u.float().view(n, k // 32, 32) * scale[..., None] + minimum[..., None]).view(n, k)
+    exact = x.float() @ w.T
+    rel = (got.float() - exact).abs().max().item() / exact.abs().max().item()
+    assert 1e-4 < rel < 0.02
+
+
+def test_rows_are_the_same_alone_in_a_batch_and_across_threads():
+    u, scale, minimum = _blocks(4, 131, 128, seed=3)
+    product = native.BlockProduct.affine(u, scale, minimum, 4)
+    x = torch.randn(6, 128).bfloat16()
+    together = product(x)
+    for r in range(6):
+        assert torch.equal(product(x[r : r + 1]), together[r : r + 1])
+    threads = torch.get_num_threads()
+    with native.busy():
+        assert torch.get_num_threads() == 1 or native.library().workers == 0
+        busy = product(x)
+    assert torch.get_num_threads() == threads
+    assert torch.equal(busy, together)
+
+
+def test_layout_and_input_errors():
+    u, scale, minimum = _blocks(4, 8, 96, seed=0)
+    with pytest.raises(ValueError, match="divisible by 64"):
+        native.pack_blocks(u, scale, minimum, 4)
+    u, scale, minimum = _blocks(4, 8, 128, seed=0)
+    product = native.BlockProduct.affine(u, scale, minimum, 4)
+    assert product.packed.shape == (8, 2 * native_ir.CHUNK_BYTES[4])
+    with pytest.raises(ValueError, match=r"\[rows, 128\] bf16"):
+        product(torch.randn(1, 128))
+    with pytest.raises(ValueError, match=r"\[rows, 128\] bf16"):
+        product(torch.randn(1, 64).bfloat16())
