@@ -189,6 +189,7 @@ class EngineCore:
             "quantization_reason": self.formats.quant.reason,
             "quant_dense_above": self.formats.quant.dense_above,
             "packed_weights": self.model.packed_weights(),
+            "native_products": self.model.native_products(),
             "device": str(self.device),
             "tp_size": self.config.parallel.tp_size,
             "tp_worker_pids": [] if self.workers is None else self.workers.pids,

@@ -20,7 +20,6 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -64,6 +63,9 @@ class _Library:
         p, i = ctypes.c_void_p, ctypes.c_int64
         address = self.engine.get_function_address
         self.product = ctypes.CFUNCTYPE(None, p, p, p, p, i, i)(address("product"))
+        self.attention = ctypes.CFUNCTYPE(None, p, p, i, p, i, p, i, p, p, i, i, i, ctypes.c_float, p, i, i, i)(
+            address("attention"))
+        self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
         self.worker = ctypes.CFUNCTYPE(None, p, i)(address("worker"))
         self.wake = ctypes.CFUNCTYPE(None, p, i)(address("wake"))
         self.control = torch.zeros(native_ir.CONTROL_SLOTS, dtype=torch.int64)
@@ -194,5 +196,29 @@ class BlockProduct:
         return self.packed.numel()
 
 
-def describe() -> dict[str, Any]:
-    return {"available": available()}
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                     kv_heads: int, scale: float) -> torch.Tensor:
+    """Attention of decode queries q [B, heads, d] (bf16, heads and d contiguous; rows may be
+    strided) over each sequence's keys, read in place from a host pool layer kv [slots, 2 *
+    kv_heads, d] (a slot's K heads, then its V heads): sequence b's keys are at slots[b * L :
+    b * L + lengths[b]] (slots [B * L] int64, lengths [B] int64). -> [B, heads * d] bf16.
+    The (sequence, head) pairs are split between the caller and the workers."""
+    b, heads, d = q.shape
+    if (q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or d not in native_ir.HEAD_DIMS
+            or q.stride(2) != 1 or q.stride(1) != d or not kv.is_contiguous()):
+        raise ValueError(f"native decode attention takes bf16 with head size in {native_ir.HEAD_DIMS} and "
+                         f"contiguous heads; got q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} {kv.dtype}")
+    longest = slots.numel() // max(1, b)
+    out = torch.empty((b, heads * d), dtype=torch.bfloat16)
+    lib = library()
+    with lib.lock:
+        if not lib.threads_started:
+            lib.start()
+        parts = lib.workers + 1
+        if lib.scratch.numel() < parts * longest:
+            lib.scratch = torch.empty(parts * max(longest, 1024), dtype=torch.float32)
+        lib.attention(lib.control_address, q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(),
+                      longest, lengths.data_ptr(), out.data_ptr(), b * heads, heads, kv_heads, scale,
+                      lib.scratch.data_ptr(), lib.scratch.numel() // parts, lib.workers, d)
+    return out
+

@@ -20,6 +20,9 @@ product, no Python between the parts.
 
 from __future__ import annotations
 
+import math
+import struct
+
 CHUNK = 64  # weights per chunk (two blocks of 32)
 MAX_ROWS = 4  # activation rows one call multiplies (each weight chunk read once for all)
 CHUNK_BYTES = {4: 40, 8: 72}
@@ -28,10 +31,14 @@ SPIN_IDLE = 64  # ... and otherwise, before it sleeps
 
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY = 0, 8, 9
-JOB = 16  # the posted job: JOB_FIELDS
-JOB_FIELDS = ("desci", "m", "yi", "parts")
+JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
+PRODUCT, ATTENTION = 0, 1
+PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
 DESC_FIELDS = ("bits", "wi", "aqi", "asci", "n", "nch")  # a matrix's descriptor (int64s)
-DONE = 32  # + 8 * worker: the last job done; + 1: asleep
+ATTENTION_FIELDS = ("op", "qi", "qstride", "kvi", "kvstride", "idxi", "maxkv", "lensi", "outi", "items", "heads",
+                    "kvheads", "scalebits", "scratchi", "sstride", "parts", "dim")
+HEAD_DIMS = (64, 128)  # the head sizes the decode attention is compiled for
+DONE = 48  # + 8 * worker: the last job done; + 1: asleep
 CONTROL_SLOTS = DONE + 8 * 64
 
 
@@ -52,6 +59,8 @@ declare float @llvm.vector.reduce.fmax.v32f32(<32 x float>)
 declare <32 x float> @llvm.rint.v32f32(<32 x float>)
 declare i32 @llvm.vector.reduce.add.v32i32(<32 x i32>)
 declare void @llvm.x86.sse2.pause()
+declare float @llvm.maxnum.f32(float, float)
+declare float @llvm.floor.f32(float)
 declare i64 @syscall(i64, ...)
 """
 
@@ -185,8 +194,18 @@ def _rows(bits: int, m: int) -> str:
     return "\n".join(out[:at] + offsets + out[at:]) + "\n"
 
 
-def _dispatch() -> str:
-    """part(ctl, index): the posted job's output rows of part `index` of `parts`."""
+def _loads(base: str, offset: int, names: tuple[str, ...]) -> str:
+    return "\n".join(f"  %{name}.p = getelementptr i64, ptr %{base}, i64 {offset + i}\n"
+                     f"  %{name} = load i64, ptr %{name}.p, align 8" for i, name in enumerate(names))
+
+
+def _stores(offset: int, values: tuple[str, ...]) -> str:
+    return "\n".join(f"  %job{i}.p = getelementptr i64, ptr %ctl, i64 {offset + i}\n"
+                     f"  store i64 {v}, ptr %job{i}.p, align 8" for i, v in enumerate(values))
+
+
+def _product_part() -> str:
+    """product_part(ctl, index): the posted product's output rows of part `index` of `parts`."""
     cases, blocks = [], []
     for bits in CHUNK_BYTES:
         for m in range(1, MAX_ROWS + 1):
@@ -194,17 +213,13 @@ def _dispatch() -> str:
             cases.append(f"i64 {bits * 8 + m}, label %{label}")
             blocks.append(f"{label}:\n  call void @rows_{bits}_{m}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %n0, "
                           "i64 %n1, i64 %nch, i64 %n)\n  br label %exit")
-    job = "\n".join(f"  %{name}p = getelementptr i64, ptr %ctl, i64 {JOB + i}\n  %{name} = load i64, ptr %{name}p, align 8"
-                     for i, name in enumerate(JOB_FIELDS))
-    desc = "\n".join(f"  %{name}p = getelementptr i64, ptr %desc, i64 {i}\n  %{name} = load i64, ptr %{name}p, align 8"
-                      for i, name in enumerate(DESC_FIELDS))
     return f"""
-define void @part(ptr %ctl, i64 %index) {{
+define void @product_part(ptr %ctl, i64 %index) {{
 entry:
-{job}
+{_loads("ctl", JOB, PRODUCT_FIELDS)}
   %desc = inttoptr i64 %desci to ptr
   %y = inttoptr i64 %yi to ptr
-{desc}
+{_loads("desc", 0, DESC_FIELDS)}
   %w = inttoptr i64 %wi to ptr
   %aq = inttoptr i64 %aqi to ptr
   %asc = inttoptr i64 %asci to ptr
@@ -224,8 +239,9 @@ exit:
 
 
 def _threads() -> str:
-    """worker(ctl, i): run part i + 1 of each job until `stop`; product(...): post a job, run part
-    0, wait for the workers."""
+    """worker(ctl, i): run part i + 1 of each job until `stop` (every job since the control block
+    was zeroed: a worker that starts after the first job was posted still runs it); run_job: post
+    a job, run part 0, wait for the workers."""
     return f"""
 define void @worker(ptr %ctl, i64 %i) {{
 entry:
@@ -237,10 +253,9 @@ entry:
   %donep = getelementptr i64, ptr %ctl, i64 %donei
   %sleepp = getelementptr i64, ptr %donep, i64 1
   %part = add i64 %i, 1
-  %first = load atomic i64, ptr %seqp acquire, align 8
   br label %wait
 wait:
-  %seen = phi i64 [%first, %entry], [%seen, %spin], [%seen, %woke], [%s, %ran]
+  %seen = phi i64 [0, %entry], [%seen, %spin], [%seen, %woke], [%s, %ran]
   %spins = phi i64 [0, %entry], [%spins.next, %spin], [0, %woke], [0, %ran]
   %s = load atomic i64, ptr %seqp acquire, align 8
   %stop = load atomic i64, ptr %stopp monotonic, align 8
@@ -323,8 +338,46 @@ entry:
   %parts = add i64 %workers, 1
   %desci = ptrtoint ptr %desc to i64
   %yi = ptrtoint ptr %y to i64
-{chr(10).join(f"  %jp{i} = getelementptr i64, ptr %ctl, i64 {JOB + i}{chr(10)}  store i64 {v}, ptr %jp{i}, align 8"
-              for i, v in enumerate(("%desci", "%m", "%yi", "%parts")))}
+{_stores(JOB, (str(PRODUCT), "%desci", "%m", "%yi", "%parts"))}
+  call void @run_job(ptr %ctl, i64 %workers)
+  ret void
+}}
+
+define void @attention(ptr %ctl, ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx, i64 %maxkv, ptr %lens,
+                       ptr %out, i64 %items, i64 %heads, i64 %kvheads, float %scale, ptr %scratch, i64 %sstride,
+                       i64 %workers, i64 %dim) {{
+entry:
+  %parts = add i64 %workers, 1
+  %qi = ptrtoint ptr %q to i64
+  %kvi = ptrtoint ptr %kv to i64
+  %idxi = ptrtoint ptr %idx to i64
+  %lensi = ptrtoint ptr %lens to i64
+  %outi = ptrtoint ptr %out to i64
+  %scratchi = ptrtoint ptr %scratch to i64
+  %scale32 = bitcast float %scale to i32
+  %scalebits = zext i32 %scale32 to i64
+{_stores(JOB, (str(ATTENTION), "%qi", "%qstride", "%kvi", "%kvstride", "%idxi", "%maxkv", "%lensi", "%outi",
+               "%items", "%heads", "%kvheads", "%scalebits", "%scratchi", "%sstride", "%parts", "%dim"))}
+  call void @run_job(ptr %ctl, i64 %workers)
+  ret void
+}}
+
+define void @part(ptr %ctl, i64 %index) {{
+entry:
+  %opp = getelementptr i64, ptr %ctl, i64 {JOB}
+  %op = load i64, ptr %opp, align 8
+  %isproduct = icmp eq i64 %op, {PRODUCT}
+  br i1 %isproduct, label %product, label %attention
+product:
+  call void @product_part(ptr %ctl, i64 %index)
+  ret void
+attention:
+  call void @attention_part(ptr %ctl, i64 %index)
+  ret void
+}}
+
+define void @run_job(ptr %ctl, i64 %workers) {{
+entry:
   %seqp = getelementptr i64, ptr %ctl, i64 {SEQ}
   %old = load atomic i64, ptr %seqp monotonic, align 8
   %seq = add i64 %old, 1
@@ -362,6 +415,179 @@ exit:
 """
 
 
+def _f32(value: float) -> str:
+    """An LLVM float constant (hex of the double holding the float32-rounded value)."""
+    return "0x" + struct.pack(">d", struct.unpack("<f", struct.pack("<f", value))[0]).hex().upper()
+
+
+def _exp2() -> str:
+    """exp2(x) for x <= 0: 2^floor(x) times a degree-7 polynomial of the fraction (relative error
+    ~2e-6, far below bf16's 4e-3); below -126 the result flushes toward 0."""
+    coefficients = [math.log(2) ** k / math.factorial(k) for k in range(8)]
+    poly = ["  %p7 = fadd float 0.0, " + _f32(coefficients[7])]
+    for k in range(6, -1, -1):
+        poly.append(f"  %m{k} = fmul float %p{k + 1}, %f\n  %p{k} = fadd float %m{k}, {_f32(coefficients[k])}")
+    return f"""
+define internal float @exp2_neg(float %x0) alwaysinline {{
+entry:
+  %x = call float @llvm.maxnum.f32(float %x0, float -126.0)
+  %n = call float @llvm.floor.f32(float %x)
+  %f = fsub float %x, %n
+{chr(10).join(poly)}
+  %ni = fptosi float %n to i32
+  %e = add i32 %ni, 127
+  %eb = shl i32 %e, 23
+  %two = bitcast i32 %eb to float
+  %r = fmul float %p0, %two
+  ret float %r
+}}
+"""
+
+
+def _bf16_vectors(pointer: str, name: str, count: int) -> list[str]:
+    """Load count * 16 bf16 at `pointer` as <16 x float> vectors %{name}0..."""
+    out = []
+    for v in range(count):
+        out += [f"  %{name}{v}.p = getelementptr i16, ptr {pointer}, i64 {16 * v}",
+                f"  %{name}{v}.h = load <16 x i16>, ptr %{name}{v}.p, align 2",
+                f"  %{name}{v}.w = zext <16 x i16> %{name}{v}.h to <16 x i32>",
+                f"  %{name}{v}.s = shl <16 x i32> %{name}{v}.w, {_splat('i32', 16, 16)}",
+                f"  %{name}{v} = bitcast <16 x i32> %{name}{v}.s to <16 x float>"]
+    return out
+
+
+def _attend(dim: int) -> str:
+    """attend_{dim}(...): decode attention of items i0..i1 (item = sequence b, query head h) over
+    the sequence's keys in the host pool (a slot's row: K heads, then V heads, bf16), without a
+    gather: scores into `scratch`, their max, then exp2 weights and the V sum in one pass."""
+    nv = dim // 16
+    out = [f"define void @attend_{dim}(ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx, i64 %maxkv, "
+           "ptr %lens, ptr %out, i64 %heads, i64 %kvheads, float %scale, ptr %scratch, i64 %i0, i64 %i1) {",
+           "entry:",
+           "  %group = udiv i64 %heads, %kvheads",
+           "  %scale2 = fmul float %scale, " + _f32(1 / math.log(2)),
+           "  %s2i = insertelement <16 x float> poison, float %scale2, i64 0",
+           "  %s2v = shufflevector <16 x float> %s2i, <16 x float> poison, <16 x i32> zeroinitializer",
+           "  %none = icmp uge i64 %i0, %i1",
+           "  br i1 %none, label %exit, label %item",
+           "item:",
+           "  %i = phi i64 [%i0, %entry], [%i.next, %stored]",
+           "  %b = udiv i64 %i, %heads",
+           "  %h = urem i64 %i, %heads",
+           "  %g = udiv i64 %h, %group",
+           "  %lenp = getelementptr i64, ptr %lens, i64 %b",
+           "  %len = load i64, ptr %lenp, align 8",
+           "  %qrow = mul i64 %b, %qstride",
+           f"  %qh = mul i64 %h, {dim}",
+           "  %qo = add i64 %qrow, %qh",
+           "  %qp = getelementptr i16, ptr %q, i64 %qo",
+           f"  %ko = mul i64 %g, {dim}",
+           "  %vg = add i64 %g, %kvheads",
+           f"  %vo = mul i64 %vg, {dim}",
+           "  %ib = mul i64 %b, %maxkv",
+           "  %idxb = getelementptr i64, ptr %idx, i64 %ib"]
+    out += _bf16_vectors("%qp", "qr", nv)
+    out += [f"  %qv{v} = fmul <16 x float> %qr{v}, %s2v" for v in range(nv)]
+    out += ["  %empty = icmp eq i64 %len, 0",
+            "  br i1 %empty, label %stored, label %score",
+            "score:",
+            "  %j = phi i64 [0, %item], [%j.next, %score]",
+            "  %mx = phi float [" + _f32(-3.0e38) + ", %item], [%mx.next, %score]",
+            "  %slotp = getelementptr i64, ptr %idxb, i64 %j",
+            "  %slot = load i64, ptr %slotp, align 8",
+            "  %row = mul i64 %slot, %kvstride",
+            "  %kro = add i64 %row, %ko",
+            "  %kp = getelementptr i16, ptr %kv, i64 %kro"]
+    out += _bf16_vectors("%kp", "k", nv)
+    out.append("  %t0 = fmul <16 x float> %qv0, %k0")
+    out += [f"  %t{v} = call <16 x float> @llvm.fma.v16f32(<16 x float> %qv{v}, <16 x float> %k{v}, "
+            f"<16 x float> %t{v - 1})" for v in range(1, nv)]
+    out += [f"  %sc = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, <16 x float> %t{nv - 1})",
+            "  %scp = getelementptr float, ptr %scratch, i64 %j",
+            "  store float %sc, ptr %scp, align 4",
+            "  %mx.next = call float @llvm.maxnum.f32(float %mx, float %sc)",
+            "  %j.next = add i64 %j, 1",
+            "  %more = icmp ult i64 %j.next, %len",
+            "  br i1 %more, label %score, label %weigh",
+            "weigh:",
+            "  %jj = phi i64 [0, %score], [%jj.next, %weigh]",
+            "  %sum = phi float [0.0, %score], [%sum.next, %weigh]"]
+    out += [f"  %acc{v} = phi <16 x float> [zeroinitializer, %score], [%acc{v}.next, %weigh]" for v in range(nv)]
+    out += ["  %wsp = getelementptr float, ptr %scratch, i64 %jj",
+            "  %ws = load float, ptr %wsp, align 4",
+            "  %wd = fsub float %ws, %mx.next",
+            "  %pw = call float @exp2_neg(float %wd)",
+            "  %sum.next = fadd float %sum, %pw",
+            "  %pwi = insertelement <16 x float> poison, float %pw, i64 0",
+            "  %pwv = shufflevector <16 x float> %pwi, <16 x float> poison, <16 x i32> zeroinitializer",
+            "  %vslotp = getelementptr i64, ptr %idxb, i64 %jj",
+            "  %vslot = load i64, ptr %vslotp, align 8",
+            "  %vrow = mul i64 %vslot, %kvstride",
+            "  %vro = add i64 %vrow, %vo",
+            "  %vp = getelementptr i16, ptr %kv, i64 %vro"]
+    out += _bf16_vectors("%vp", "v", nv)
+    out += [f"  %acc{v}.next = call <16 x float> @llvm.fma.v16f32(<16 x float> %pwv, <16 x float> %v{v}, "
+            f"<16 x float> %acc{v})" for v in range(nv)]
+    out += ["  %jj.next = add i64 %jj, 1",
+            "  %wmore = icmp ult i64 %jj.next, %len",
+            "  br i1 %wmore, label %weigh, label %normalize",
+            "normalize:",
+            "  %inv = fdiv float 1.0, %sum.next",
+            "  %invi = insertelement <16 x float> poison, float %inv, i64 0",
+            "  %invv = shufflevector <16 x float> %invi, <16 x float> poison, <16 x i32> zeroinitializer",
+            "  %ob = mul i64 %i, " + str(dim),
+            "  %op = getelementptr bfloat, ptr %out, i64 %ob"]
+    for v in range(nv):
+        out += [f"  %o{v} = fmul <16 x float> %acc{v}.next, %invv",
+                f"  %ob{v} = fptrunc <16 x float> %o{v} to <16 x bfloat>",
+                f"  %op{v} = getelementptr bfloat, ptr %op, i64 {16 * v}",
+                f"  store <16 x bfloat> %ob{v}, ptr %op{v}, align 2"]
+    out += ["  br label %stored",
+            "stored:",
+            "  %i.next = add i64 %i, 1",
+            "  %items = icmp ult i64 %i.next, %i1",
+            "  br i1 %items, label %item, label %exit",
+            "exit:",
+            "  ret void",
+            "}"]
+    return "\n".join(out) + "\n"
+
+
+def _attention_part() -> str:
+    """attention_part(ctl, index): the posted attention's items of part `index`, with the part's
+    own scratch row."""
+    cases = " ".join(f"i64 {d}, label %d{d}" for d in HEAD_DIMS)
+    blocks = "\n".join(f"d{d}:\n  call void @attend_{d}(ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx, "
+                       "i64 %maxkv, ptr %lens, ptr %out, i64 %heads, i64 %kvheads, float %scale, ptr %scr, "
+                       "i64 %i0, i64 %i1)\n  br label %exit" for d in HEAD_DIMS)
+    return f"""
+define void @attention_part(ptr %ctl, i64 %index) {{
+entry:
+{_loads("ctl", JOB, ATTENTION_FIELDS)}
+  %q = inttoptr i64 %qi to ptr
+  %kv = inttoptr i64 %kvi to ptr
+  %idx = inttoptr i64 %idxi to ptr
+  %lens = inttoptr i64 %lensi to ptr
+  %out = inttoptr i64 %outi to ptr
+  %scratch = inttoptr i64 %scratchi to ptr
+  %scale32 = trunc i64 %scalebits to i32
+  %scale = bitcast i32 %scale32 to float
+  %so = mul i64 %sstride, %index
+  %scr = getelementptr float, ptr %scratch, i64 %so
+  %lo = mul i64 %items, %index
+  %i0 = udiv i64 %lo, %parts
+  %index1 = add i64 %index, 1
+  %hi = mul i64 %items, %index1
+  %i1 = udiv i64 %hi, %parts
+  switch i64 %dim, label %exit [ {cases} ]
+{blocks}
+exit:
+  ret void
+}}
+"""
+
+
 def module_ir() -> str:
     rows = "".join(_rows(bits, m) for bits in CHUNK_BYTES for m in range(1, MAX_ROWS + 1))
-    return _HEADER + _quantize() + rows + _dispatch() + _threads()
+    attention = _exp2() + "".join(_attend(d) for d in HEAD_DIMS) + _attention_part()
+    return _HEADER + _quantize() + rows + _product_part() + attention + _threads()

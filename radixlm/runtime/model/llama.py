@@ -287,6 +287,11 @@ class LlamaModel(nn.Module):
         for oneDNN (radixlm.runtime.kernels.packed)."""
         return sum(1 for m in self.modules() if isinstance(m, DenseLinear) and m.packed is not None)
 
+    def native_products(self) -> int:
+        """How many weight matrices (layers, LM head) multiply on the native VNNI kernels
+        (radixlm.runtime.kernels.native)."""
+        return sum(1 for m in self.modules() if isinstance(m, NativeBlockLinear))
+
     def init_rope(self, max_positions: int) -> None:
         self.rope = RotaryEmbedding(self.arch, max_positions, self.embed_tokens.weight.device)
 
@@ -330,9 +335,8 @@ class LlamaModel(nn.Module):
         """A CPU step whose products run on the native kernels' threads (radixlm.runtime.kernels.
         native.busy): its workers spin between the products and torch's ops keep to this thread."""
         if self._native_rows is None:
-            native_products = any(isinstance(m, NativeBlockLinear) for m in self.modules())
             rows_each = [layer.few_rows for layer in self.host_layers()] + [native_ir.MAX_ROWS]
-            self._native_rows = min(rows_each) if native_products else 0
+            self._native_rows = min(rows_each) if self.native_products() else 0
         return native.busy() if rows <= self._native_rows else contextlib.nullcontext()
 
     def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:

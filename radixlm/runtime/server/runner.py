@@ -71,6 +71,9 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
             if info.get("packed_weights"):
                 log.info("%d dense bf16 weight matrices packed once for oneDNN (the same products, faster)",
                          info["packed_weights"])
+            if info.get("native_products"):
+                log.info("%d 4/8-bit weight matrices multiply on the native VNNI kernels (int8 activation blocks)",
+                         info["native_products"])
             await stopping
     else:
         starting.cancel()

@@ -81,3 +81,30 @@ def test_layout_and_input_errors():
         product(torch.randn(1, 128))
     with pytest.raises(ValueError, match=r"\[rows, 128\] bf16"):
         product(torch.randn(1, 64).bfloat16())
+
+
+@pytest.mark.parametrize("dim", native_ir.HEAD_DIMS)
+def test_decode_attention_reads_the_pool_in_place(dim):
+    """Against fp32 softmax attention over the gathered K/V: sequences of different lengths (one
+    of a single key), grouped query heads, q rows strided as in the layer loop's rotated tensor."""
+    torch.manual_seed(dim)
+    heads, kv_heads = 6, 2
+    pool = torch.randn(900, 2 * kv_heads, dim).bfloat16()
+    lengths = [1, 130, 517]
+    longest = max(lengths)
+    slots = torch.zeros(len(lengths), longest, dtype=torch.int64)  # padding reads slot 0
+    for b, n in enumerate(lengths):
+        slots[b, :n] = torch.randperm(899)[:n] + 1
+    rotated = torch.randn(len(lengths), heads + 2 * kv_heads, dim).bfloat16()
+    q = rotated[:, :heads]
+    scale = dim**-0.5
+    got = native.decode_attention(q, pool, slots.flatten(), torch.tensor(lengths), kv_heads, scale)
+    assert got.shape == (len(lengths), heads * dim) and got.dtype == torch.bfloat16
+    for b, n in enumerate(lengths):
+        kv = pool[slots[b, :n]].float()
+        k, v = kv[:, :kv_heads].transpose(0, 1), kv[:, kv_heads:].transpose(0, 1)  # [kv_heads, n, d]
+        group = q[b].float().view(kv_heads, heads // kv_heads, dim)
+        ref = torch.softmax(group @ k.transpose(1, 2) * scale, -1) @ v
+        assert torch.allclose(got[b].float(), ref.reshape(-1), atol=8e-3, rtol=8e-3)
+    with pytest.raises(ValueError, match="head size"):
+        native.decode_attention(q.float(), pool, slots.flatten(), torch.tensor(lengths), kv_heads, scale)

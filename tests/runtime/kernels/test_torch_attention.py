@@ -124,3 +124,43 @@ def test_blocked_extend_takes_fewer_rows_a_block_under_the_scores_budget(monkeyp
     monkeypatch.undo()
     assert len(calls) == 2 * 3  # blocks of 16, 16 and 8 queries, two products each
     torch.testing.assert_close(out.float(), _reference(q, k, v, 100), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("plan", [[(40, 1)], [(7, 1), (300, 1), (18, 1)], [(12, 1), (0, 5)]])
+def test_decodes_on_the_native_kernels_match_the_reference(plan):
+    """With head size 64 and a bf16 host pool the decode rows read the pool in place on the native
+    kernels (where they run; else the torch path): the same reference, decodes alone or beside a
+    prefill segment."""
+    from radixlm.runtime.kernels import native
+
+    d = 64
+    arch = ModelArch(family="llama", vocab_size=64, hidden_size=HEADS * d, intermediate_size=64, num_layers=1,
+                     num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False)
+    gen = torch.Generator().manual_seed(1)
+    pool = KVPool(arch, 2048, torch.bfloat16, "cpu")
+    att = TorchAttention(pool, HEADS, d)
+    assert att.native == native.available()
+    table = torch.zeros((len(plan), 512), dtype=torch.int64)
+    slots_of, q_starts, q_lens, kv_lens, history = [], [], [], [], []
+    free = torch.randperm(2000, generator=gen) + 1  # scattered slots, as a busy cache leaves them
+    for row, (cached, new) in enumerate(plan):
+        slots, free = free[: cached + new], free[cached + new :]
+        table[row, : cached + new] = slots
+        k_old, v_old = (torch.randn(cached, KV_HEADS, d, generator=gen).bfloat16() for _ in range(2))
+        pool.k[0, slots[:cached]], pool.v[0, slots[:cached]] = k_old, v_old
+        history.append((k_old, v_old))
+        slots_of.append(slots[cached:])
+        q_starts.append(sum(q_lens))
+        q_lens.append(new)
+        kv_lens.append(cached + new)
+    total = sum(q_lens)
+    q = torch.randn(total, HEADS, d, generator=gen).bfloat16()
+    kv = torch.randn(total, 2 * KV_HEADS, d, generator=gen).bfloat16()
+    att.prepare(AttentionMeta(torch.cat(slots_of), table, list(range(len(plan))), q_starts, q_lens, kv_lens))
+    out = att.forward_joined(0, q, kv).view(total, HEADS, d)
+    k, v = kv[:, :KV_HEADS], kv[:, KV_HEADS:]
+    for (cached, new), start, (k_old, v_old) in zip(plan, q_starts, history):
+        part = slice(start, start + new)
+        ref = _reference(q[part], torch.cat([k_old, k[part]]), torch.cat([v_old, v[part]]), cached)
+        torch.testing.assert_close(out[part].float(), ref, rtol=2e-2, atol=2e-2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from server_harness import start_server
 
+from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.packed import packing_available
 from radixlm.runtime.model.formats import choose_dtype, choose_quantization, cpu_flags
 
@@ -28,6 +29,9 @@ def test_auto_formats_reported_and_served():
             # multiplies bf16 (the head stays int8 and keeps its dense copy too); fp32 packs none
             packed = 30 * 4 + 1 if expected.dtype == "bfloat16" and packing_available() else 0
             assert engine["packed_weights"] == packed
+            # the 4-bit layers and the 8-bit head on the native kernels, where they run
+            native_products = 30 * 4 + 1 if quant.method == "q4" and native.available() else 0
+            assert engine["native_products"] == native_products
             assert info["engine_config"]["model"]["dtype"] == "auto"
         assert server.get("/get_model_info")[1]["dtype"] == expected.dtype
         out = server.generate({"text": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
@@ -40,3 +44,4 @@ def test_auto_formats_reported_and_served():
     assert f"dtype {expected.dtype}: {expected.reason}" in log
     assert f"quantization {quant.method}: {quant.reason}" in log
     assert ("packed once for oneDNN" in log) == (packed > 0)
+    assert ("native VNNI kernels" in log) == (native_products > 0)

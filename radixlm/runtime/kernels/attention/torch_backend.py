@@ -27,6 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.kv_pool import KVPool
 
@@ -94,6 +95,9 @@ class TorchAttention:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # decode attention reads a bf16 host pool in place on the native kernels, where they run
+        self.native = (pool.kv_layers is not None and pool.kv_layers[0].dtype == torch.bfloat16
+                       and head_dim in native_ir.HEAD_DIMS and native.available())
         self.blocks = blocked_prompts(pool.k.dtype, pool.k.device)
 
     def prepare(self, meta: AttentionMeta) -> None:
@@ -103,6 +107,7 @@ class TorchAttention:
         self.decode_tokens: torch.Tensor | slice | None = None
         if decode:
             kv_lens = torch.tensor([meta.kv_lens[i] for i in decode], device=device)
+            self.decode_lens = kv_lens
             max_kv = max(meta.kv_lens[i] for i in decode)
             rows = torch.tensor([meta.rows[i] for i in decode], device=device)
             starts = [meta.q_starts[i] for i in decode]
@@ -181,6 +186,10 @@ class TorchAttention:
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of the decode queries q [B, heads, d] -> [B, heads * d]."""
         b, _, kv_heads, d = self.decode_shape
+        if self.native and q.stride(2) == 1 and q.stride(1) == d:
+            assert self.pool.kv_layers is not None
+            return native.decode_attention(q, self.pool.kv_layers[layer], self.decode_kv_idx, self.decode_lens,
+                                           kv_heads, self.scale)
         qd = q.reshape(b, kv_heads, self.num_heads // kv_heads, d)  # heads sharing a KV head as queries
         k, v = self._gather(layer, self.decode_kv_idx)
         kd = k.view(self.decode_shape).transpose(1, 2)  # [B, kv_heads, L, d]
