@@ -94,6 +94,7 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     """Whether linear weights stay quantized. `gguf_four_bit`: the model comes from a GGUF whose
     linear weights are mostly Q4_0/Q4_1/Q4_K; `dense_above`: --quant-dense-above, if given;
     `auto_dtype`: --dtype auto chose `dtype` (an fp32 asked for runs dense fp32 weights)."""
+    from radixlm.runtime.kernels import native
     from radixlm.runtime.kernels.quant import QUANT_METHODS, fp16_available
 
     on_cuda = device.startswith("cuda")
@@ -124,5 +125,6 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     if not gguf_four_bit:
         return not_four_bit
     rows = AUTO_DENSE_ABOVE if dense_above is None else dense_above
+    kernels = "the native VNNI kernels" if native.available() else "torch's int4 kernel"
     return QuantChoice("q4", rows, f"the GGUF's 4-bit weights, used as they are for steps of up to {rows} "
-                                   "rows (the int4 kernel reads 3x fewer bytes), a dense bf16 copy above")
+                                   f"rows ({kernels}: 3x fewer bytes read), a dense bf16 copy above")
