@@ -176,7 +176,7 @@ class BlockProduct:
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k:
             raise ValueError(f"the native product takes [rows, {self.k}] bf16; got {tuple(x.shape)} {x.dtype}")
         rows = x.shape[0]
-        if rows > native_ir.MAX_ROWS:
+        if rows > native_ir.MAX_ROWS or rows == 0:
             return self._in_turn(x)
         x = x.contiguous()
         y = torch.empty((rows, self.n), dtype=torch.bfloat16)
@@ -188,7 +188,10 @@ class BlockProduct:
         return y
 
     def _in_turn(self, x: torch.Tensor) -> torch.Tensor:
-        """More rows than one call takes: MAX_ROWS at a time (each reads the weights again)."""
+        """More rows than one call takes: MAX_ROWS at a time (each reads the weights again); none:
+        an empty product, without a call (the kernels read at least one block)."""
+        if x.shape[0] == 0:
+            return x.new_empty((0, self.n))
         with busy():
             return torch.cat([self(x[r : r + native_ir.MAX_ROWS]) for r in range(0, x.shape[0], native_ir.MAX_ROWS)])
 

@@ -71,7 +71,8 @@ def _quantize() -> str:
     return f"""
 define void @quantize(ptr %x, ptr %aq, ptr %asc, i64 %blocks) {{
 entry:
-  br label %loop
+  %none = icmp eq i64 %blocks, 0
+  br i1 %none, label %done, label %loop
 loop:
   %b = phi i64 [0, %entry], [%b.next, %loop]
   %o = mul i64 %b, 32

@@ -77,6 +77,7 @@ def test_layout_and_input_errors():
     u, scale, minimum = _blocks(4, 8, 128, seed=0)
     product = native.BlockProduct.affine(u, scale, minimum, 4)
     assert product.packed.shape == (8, 2 * native_ir.CHUNK_BYTES[4])
+    assert product(torch.empty(0, 128, dtype=torch.bfloat16)).shape == (0, 8)  # a step whose rows all left
     with pytest.raises(ValueError, match=r"\[rows, 128\] bf16"):
         product(torch.randn(1, 128))
     with pytest.raises(ValueError, match=r"\[rows, 128\] bf16"):
