@@ -25,6 +25,7 @@ import struct
 
 CHUNK = 64  # weights per chunk (two blocks of 32)
 MAX_ROWS = 4  # activation rows one call multiplies (each weight chunk read once for all)
+BUSY_ROWS = 32  # steps of up to this many rows on the kernels run as one busy stretch (native.busy)
 CHUNK_BYTES = {4: 40, 8: 72}
 SPIN_BUSY = 200_000  # pause loops a worker spins for the next product while a forward pass is busy
 SPIN_IDLE = 64  # ... and otherwise, before it sleeps

@@ -24,8 +24,19 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # Steps of more rows than this use the dense copy under --quantization auto: in the default
 # model's decode steps (weights cold in memory, avx512_bf16 Zen 4) the int4 kernel beats the
 # packed bf16 copy up to 4 rows (2 concurrent requests 1.6x, 4 1.26x) and loses by 16 (0.75x);
-# benchmarks/quant_kernels.py and docs/benchmarks.md.
+# benchmarks/quant_kernels.py and docs/benchmarks.md. With the native VNNI kernels (which take 4
+# rows a pass) the quantized steps beat the dense copy up to 16 rows (bs2 2.7x, bs4 2.0x, bs8 1.26x,
+# bs16 1.08x; docs/benchmarks.md, "Native VNNI kernels").
 AUTO_DENSE_ABOVE = 4
+NATIVE_DENSE_ABOVE = 16
+
+
+def auto_dense_above() -> int:
+    """Up to how many rows `auto`'s quantized layers multiply their own weights: more with the
+    native kernels than with torch's int4 kernel."""
+    from radixlm.runtime.kernels import native
+
+    return NATIVE_DENSE_ABOVE if native.available() else AUTO_DENSE_ABOVE
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,7 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
         return QuantChoice("none", None, f"torch's int4/int8 CPU kernels are slow with {dtype} activations")
     if not gguf_four_bit:
         return not_four_bit
-    rows = AUTO_DENSE_ABOVE if dense_above is None else dense_above
+    rows = auto_dense_above() if dense_above is None else dense_above
     kernels = "the native VNNI kernels" if native.available() else "torch's int4 kernel"
     return QuantChoice("q4", rows, f"the GGUF's 4-bit weights, used as they are for steps of up to {rows} "
                                    f"rows ({kernels}: 3x fewer bytes read), a dense bf16 copy above")

@@ -335,7 +335,7 @@ class LlamaModel(nn.Module):
         """A CPU step whose products run on the native kernels' threads (radixlm.runtime.kernels.
         native.busy): its workers spin between the products and torch's ops keep to this thread."""
         if self._native_rows is None:
-            rows_each = [layer.few_rows for layer in self.host_layers()] + [native_ir.MAX_ROWS]
+            rows_each = [layer.few_rows for layer in self.host_layers()] + [native_ir.BUSY_ROWS]
             self._native_rows = min(rows_each) if self.native_products() else 0
         return native.busy() if rows <= self._native_rows else contextlib.nullcontext()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from radixlm.runtime.kernels.quant import fp16_available
-from radixlm.runtime.model.formats import AUTO_DENSE_ABOVE, choose_dtype, choose_quantization, cpu_flags
+from radixlm.runtime.model.formats import auto_dense_above, choose_dtype, choose_quantization, cpu_flags
 
 AVX2 = frozenset({"fpu", "sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -53,7 +53,7 @@ def test_cpu_flags_from_cpuinfo(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("requested", "device", "dtype", "four_bit", "method", "dense_above"), [
-    ("auto", "cpu", "bfloat16", True, "q4", AUTO_DENSE_ABOVE),  # the default model on a bf16 CPU
+    ("auto", "cpu", "bfloat16", True, "q4", auto_dense_above()),  # the default model on a bf16 CPU
     ("auto", "cpu", "float32", True, "none", None),  # an fp32 asked for: dense (auto: below)
     ("auto", "cpu", "float16", True, "none", None),  # int4/int8 kernels are slow with fp16 activations
     ("auto", "cpu", "bfloat16", False, "none", None),  # safetensors / 8-bit GGUF: dense

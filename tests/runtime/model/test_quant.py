@@ -19,7 +19,7 @@ from radixlm.runtime.kernels.quant import (
     fp16_available,
     q4_from_float,
 )
-from radixlm.runtime.model.formats import AUTO_DENSE_ABOVE, QuantChoice
+from radixlm.runtime.model.formats import QuantChoice, auto_dense_above
 from radixlm.runtime.model.gguf_quant import four_bit_blocks, q8_0_blocks
 from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model_runner import ModelRunner
@@ -285,7 +285,7 @@ def test_default_model_quantized_logits_and_greedy(default_source, smol_tokenize
     if native_kernels:
         # as `auto` serves: a prompt on the dense copy, the decode steps on the native kernels
         served = build_model(src.arch, src.weights_dir, dtype, "cpu", max_positions=2048,
-                             quant=QuantChoice(method, AUTO_DENSE_ABOVE, "test"), gguf=src.gguf_path)
+                             quant=QuantChoice(method, auto_dense_above(), "test"), gguf=src.gguf_path)
         for chat, answer in CHATS:
             out, _ = _greedy(served, smol_tokenizer, _ids(smol_tokenizer, chat), 24)
             assert answer in smol_tokenizer.decode(out), smol_tokenizer.decode(out)
