@@ -33,6 +33,25 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_
     return out
 
 
+def _cached(pool: KVPool, plan: list[tuple[int, int]], d: int, dtype: torch.dtype, gen: torch.Generator,
+            free: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[int], list[int], list[int], list]:
+    """Each plan row's cached K/V written to the pool at the next `free` slots: (the request->slot
+    table, each row's new slots, q starts, q lengths, kv lengths, each row's cached (K, V))."""
+    table = torch.zeros((len(plan), 512), dtype=torch.int64)
+    history, new_slots, q_starts, q_lens, kv_lens = [], [], [], [], []
+    for row, (cached, new) in enumerate(plan):
+        slots, free = free[: cached + new], free[cached + new :]
+        table[row, : cached + new] = slots
+        k_old, v_old = (torch.randn(cached, KV_HEADS, d, generator=gen).to(dtype) for _ in range(2))
+        pool.k[0, slots[:cached]], pool.v[0, slots[:cached]] = k_old, v_old
+        history.append((k_old, v_old))
+        new_slots.append(slots[cached:])
+        q_starts.append(sum(q_lens))
+        q_lens.append(new)
+        kv_lens.append(cached + new)
+    return table, new_slots, q_starts, q_lens, kv_lens, history
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("plan", [
     [(40, 1)],  # batch 1 decode: no padding
@@ -44,21 +63,9 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_
 def test_torch_attention_matches_per_head_reference(plan, dtype):
     gen = torch.Generator().manual_seed(0)
     pool = KVPool(ARCH, 1024, dtype, "cpu")
-    table = torch.zeros((len(plan), 512), dtype=torch.int64)
     att = TorchAttention(pool, HEADS, D)
-    next_slot = 1
-    history, new_slots, q_starts, q_lens, kv_lens = [], [], [], [], []
-    for row, (cached, new) in enumerate(plan):
-        slots = torch.arange(next_slot, next_slot + cached + new)
-        next_slot += cached + new
-        table[row, : cached + new] = slots
-        k_old, v_old = (torch.randn(cached, KV_HEADS, D, generator=gen).to(dtype) for _ in range(2))
-        pool.k[0, slots[:cached]], pool.v[0, slots[:cached]] = k_old, v_old
-        history.append((k_old, v_old))
-        new_slots.append(slots[cached:])
-        q_starts.append(sum(q_lens))
-        q_lens.append(new)
-        kv_lens.append(cached + new)
+    table, new_slots, q_starts, q_lens, kv_lens, history = _cached(pool, plan, D, dtype, gen,
+                                                                   torch.arange(1, 1025))
     total = sum(q_lens)
     q = torch.randn(total, HEADS, D, generator=gen).to(dtype)
     k, v = (torch.randn(total, KV_HEADS, D, generator=gen).to(dtype) for _ in range(2))
@@ -141,19 +148,8 @@ def test_decodes_on_the_native_kernels_match_the_reference(plan):
     pool = KVPool(arch, 2048, torch.bfloat16, "cpu")
     att = TorchAttention(pool, HEADS, d)
     assert att.native == native.available()
-    table = torch.zeros((len(plan), 512), dtype=torch.int64)
-    slots_of, q_starts, q_lens, kv_lens, history = [], [], [], [], []
-    free = torch.randperm(2000, generator=gen) + 1  # scattered slots, as a busy cache leaves them
-    for row, (cached, new) in enumerate(plan):
-        slots, free = free[: cached + new], free[cached + new :]
-        table[row, : cached + new] = slots
-        k_old, v_old = (torch.randn(cached, KV_HEADS, d, generator=gen).bfloat16() for _ in range(2))
-        pool.k[0, slots[:cached]], pool.v[0, slots[:cached]] = k_old, v_old
-        history.append((k_old, v_old))
-        slots_of.append(slots[cached:])
-        q_starts.append(sum(q_lens))
-        q_lens.append(new)
-        kv_lens.append(cached + new)
+    scattered = torch.randperm(2000, generator=gen) + 1  # as a busy cache leaves the free slots
+    table, slots_of, q_starts, q_lens, kv_lens, history = _cached(pool, plan, d, torch.bfloat16, gen, scattered)
     total = sum(q_lens)
     q = torch.randn(total, HEADS, d, generator=gen).bfloat16()
     kv = torch.randn(total, 2 * KV_HEADS, d, generator=gen).bfloat16()
