@@ -121,7 +121,8 @@ def busy() -> Iterator[None]:
     """A forward pass of few rows: the workers spin between its products, and torch's own ops
     run on this thread alone (a spinning worker holds the other cores)."""
     lib = library()
-    lib.start()
+    with lib.lock:
+        lib.start()
     threads = torch.get_num_threads()
     lib.busy_depth += 1
     if lib.busy_depth == 1 and lib.workers:
@@ -195,9 +196,6 @@ class BlockProduct:
         with busy():
             return torch.cat([self(x[r : r + native_ir.MAX_ROWS]) for r in range(0, x.shape[0], native_ir.MAX_ROWS)])
 
-    def nbytes(self) -> int:
-        return self.packed.numel()
-
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                      kv_heads: int, scale: float) -> torch.Tensor:
@@ -211,6 +209,10 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, len
             or q.stride(2) != 1 or q.stride(1) != d or not kv.is_contiguous()):
         raise ValueError(f"native decode attention takes bf16 with head size in {native_ir.HEAD_DIMS} and "
                          f"contiguous heads; got q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} {kv.dtype}")
+    if (slots.dtype != torch.int64 or lengths.dtype != torch.int64 or not slots.is_contiguous()
+            or not lengths.is_contiguous() or lengths.numel() != b):
+        raise ValueError(f"native decode attention takes contiguous int64 slots and {b} int64 lengths; got "
+                         f"{slots.dtype} {tuple(slots.shape)} and {lengths.dtype} {tuple(lengths.shape)}")
     longest = slots.numel() // max(1, b)
     out = torch.empty((b, heads * d), dtype=torch.bfloat16)
     lib = library()

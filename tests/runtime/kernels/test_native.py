@@ -109,3 +109,5 @@ def test_decode_attention_reads_the_pool_in_place(dim):
         assert torch.allclose(got[b].float(), ref.reshape(-1), atol=8e-3, rtol=8e-3)
     with pytest.raises(ValueError, match="head size"):
         native.decode_attention(q.float(), pool, slots.flatten(), torch.tensor(lengths), kv_heads, scale)
+    with pytest.raises(ValueError, match="int64 slots"):
+        native.decode_attention(q, pool, slots.flatten().int(), torch.tensor(lengths), kv_heads, scale)
