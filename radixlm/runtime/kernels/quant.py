@@ -61,6 +61,23 @@ def q8_0_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The float [N, K] weight of blocks w = scale * q (+ minimum) per group of 32, in `dtype`."""
+    w = q.float().view(*scale.shape, GROUP) * scale.float()[..., None]
+    if minimum is not None:
+        w = w + minimum.float()[..., None]
+    return w.view(q.shape).to(dtype)
+
+
+def _with_dense_copy(layer: WeightOnlyLinear, weight: torch.Tensor, dtype: torch.dtype,
+                     keep_dense: bool) -> WeightOnlyLinear:
+    """A layer quantized from the float `weight`, given that weight as its dense copy if asked."""
+    if keep_dense:
+        layer.dense = DenseLinear(weight.to(dtype), layer.bias)
+    return layer
+
+
 class WeightOnlyLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held quantized; subclasses define the quantized product."""
 
@@ -172,20 +189,8 @@ class Int4Linear(WeightOnlyLinear):
                     dense_above: int | None = None) -> Int4Linear:
         """From w = scale * q + minimum per group (GGUF Q4_1; Q4_0 and Q4_K map onto it)."""
         s, m = scale.float(), minimum.float()
-        dense = None
-        if keep_dense:
-            dense = (q.float().view(*s.shape, GROUP) * s[..., None] + m[..., None]).view(q.shape).to(dtype)
+        dense = _dequantized(q, s, m, dtype) if keep_dense else None
         return cls(q, s, m + 8 * s, dtype, _opt(bias, dtype), dense, dense_above)
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
-                   keep_dense: bool = False, dense_above: int | None = None) -> Int4Linear:
-        """Quantize a float [N, K] weight per group of 32 between its min and max (as Q4_1)."""
-        q, scale, lo = q4_1_of(weight)
-        out = cls.from_affine(q, scale, lo, dtype, bias, keep_dense=False, dense_above=dense_above)
-        if keep_dense:
-            out.dense = DenseLinear(weight.to(dtype), out.bias)
-        return out
 
 
 class Int8BlockLinear(Int4Linear):
@@ -225,20 +230,8 @@ class Int8BlockLinear(Int4Linear):
     def from_blocks(cls, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
                     keep_dense: bool = False, dense_above: int | None = None) -> Int8BlockLinear:
         """From a file's own blocks (GGUF Q8_0): w = scale * q per group of 32, taken as they are."""
-        dense = None
-        if keep_dense:
-            dense = (q.float().view(*scales.shape, GROUP) * scales.float()[..., None]).view(q.shape).to(dtype)
+        dense = _dequantized(q, scales, None, dtype) if keep_dense else None
         return cls(q, scales, dtype, _opt(bias, dtype), dense, dense_above)
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
-                   keep_dense: bool = False, dense_above: int | None = None) -> Int8BlockLinear:
-        """Quantize a float [N, K] weight per group of 32 (as Q8_0): scale = max|w| / 127."""
-        q, scales = q8_0_of(weight)
-        out = cls(q, scales, dtype, _opt(bias, dtype), None, dense_above)
-        if keep_dense:
-            out.dense = DenseLinear(weight.to(dtype), out.bias)
-        return out
 
 
 class NativeBlockLinear(WeightOnlyLinear):
@@ -265,10 +258,7 @@ class NativeBlockLinear(WeightOnlyLinear):
                     bias: torch.Tensor | None = None, keep_dense: bool = False,
                     dense_above: int | None = None) -> NativeBlockLinear:
         """From w = scale * q + minimum per group, q in 0..15 (GGUF Q4_1; Q4_0 and Q4_K map onto it)."""
-        dense = None
-        if keep_dense:
-            dense = (q.float().view(*scale.shape, GROUP) * scale.float()[..., None]
-                     + minimum.float()[..., None]).view(q.shape).to(dtype)
+        dense = _dequantized(q, scale, minimum, dtype) if keep_dense else None
         product = BlockProduct.affine(q, scale.float(), minimum.float(), bits=4)
         return cls(product, "q4", _opt(bias, dtype), dense, dense_above)
 
@@ -277,9 +267,7 @@ class NativeBlockLinear(WeightOnlyLinear):
                     keep_dense: bool = False, dense_above: int | None = None) -> NativeBlockLinear:
         """From w = scale * q per group, q in -128..127 (GGUF Q8_0): u = q + 128, minimum -128 scale."""
         s = scale.float()
-        dense = None
-        if keep_dense:
-            dense = (q.float().view(*s.shape, GROUP) * s[..., None]).view(q.shape).to(dtype)
+        dense = _dequantized(q, s, None, dtype) if keep_dense else None
         product = BlockProduct.affine(q.to(torch.int32) + 128, s, -128 * s, bits=8)
         return cls(product, "q8_0", _opt(bias, dtype), dense, dense_above)
 
@@ -309,26 +297,18 @@ def eight_bit_linear(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, b
 
 def q8_from_float(weight: torch.Tensor, dtype: torch.dtype, keep_dense: bool = False,
                   dense_above: int | None = None) -> WeightOnlyLinear:
-    """A float [N, K] weight as 8-bit blocks of 32 (as Q8_0), on the native kernels where they run."""
-    if not uses_native(dtype, weight.shape[1]):
-        return Int8BlockLinear.from_float(weight, dtype, keep_dense=keep_dense, dense_above=dense_above)
+    """A float [N, K] weight as 8-bit blocks of 32 (as Q8_0), the weight itself as the dense copy."""
     q, scales = q8_0_of(weight)
-    out = NativeBlockLinear.from_blocks(q, scales, dtype, dense_above=dense_above)
-    if keep_dense:
-        out.dense = DenseLinear(weight.to(dtype), out.bias)
-    return out
+    return _with_dense_copy(eight_bit_linear(q, scales, dtype, dense_above=dense_above), weight, dtype, keep_dense)
 
 
 def q4_from_float(weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
                   keep_dense: bool = False, dense_above: int | None = None) -> WeightOnlyLinear:
-    """--quantization q4 of a float [N, K] weight: per group of 32 between its min and max (as Q4_1)."""
-    if not uses_native(dtype, weight.shape[1]):
-        return Int4Linear.from_float(weight, dtype, bias, keep_dense, dense_above)
+    """--quantization q4 of a float [N, K] weight: per group of 32 between its min and max (as
+    Q4_1), the weight itself as the dense copy."""
     q, scale, lo = q4_1_of(weight)
-    out = NativeBlockLinear.from_affine(q, scale, lo, dtype, bias, dense_above=dense_above)
-    if keep_dense:
-        out.dense = DenseLinear(weight.to(dtype), out.bias)
-    return out
+    layer = four_bit_linear(q, scale, lo, dtype, bias, dense_above=dense_above)
+    return _with_dense_copy(layer, weight, dtype, keep_dense)
 
 
 @functools.cache

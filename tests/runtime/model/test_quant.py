@@ -219,7 +219,7 @@ def test_fp16_linear_is_the_fp16_weights_product_at_any_batch_size():
 
 def test_q4_needs_groups_of_32():
     with pytest.raises(ValueError, match="divisible by 32"):
-        Int4Linear.from_float(torch.randn(8, 40), torch.bfloat16)
+        q4_from_float(torch.randn(8, 40), torch.bfloat16)
 
 
 # -- the default model from its shipped Q4_1 GGUF --------------------------------------------
