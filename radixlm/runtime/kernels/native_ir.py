@@ -51,6 +51,13 @@ def _mask(values: list[int]) -> str:
     return f"<{len(values)} x i32> <" + ", ".join(f"i32 {v}" for v in values) + ">"
 
 
+def _broadcast(name: str, value: str, lanes: int) -> list[str]:
+    """%name: the float `value` in all `lanes` lanes of a vector."""
+    return [f"  %{name}.i = insertelement <{lanes} x float> poison, float {value}, i64 0",
+            f"  %{name} = shufflevector <{lanes} x float> %{name}.i, <{lanes} x float> poison, "
+            f"<{lanes} x i32> zeroinitializer"]
+
+
 _HEADER = """
 declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
 declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
@@ -88,8 +95,7 @@ loop:
   %nz = fcmp ogt float %mx, 0.0
   %inv = fdiv float 127.0, %mx
   %id = select i1 %nz, float %inv, float 0.0
-  %idi = insertelement <32 x float> poison, float %id, i64 0
-  %idv = shufflevector <32 x float> %idi, <32 x float> poison, <32 x i32> zeroinitializer
+{chr(10).join(_broadcast("idv", "%id", 32))}
   %sc = fmul <32 x float> %xf, %idv
   %r = call <32 x float> @llvm.rint.v32f32(<32 x float> %sc)
   %qi = fptosi <32 x float> %r to <32 x i32>
@@ -201,9 +207,19 @@ def _loads(base: str, offset: int, names: tuple[str, ...]) -> str:
                      f"  %{name} = load i64, ptr %{name}.p, align 8" for i, name in enumerate(names))
 
 
-def _stores(offset: int, values: tuple[str, ...]) -> str:
-    return "\n".join(f"  %job{i}.p = getelementptr i64, ptr %ctl, i64 {offset + i}\n"
+def _post(op: int, names: tuple[str, ...]) -> str:
+    """Store a job into the control block: `op`, then the caller's values %name of the other
+    fields, in the order the part functions load them (`_loads`)."""
+    values = [str(op)] + [f"%{name}" for name in names[1:]]
+    return "\n".join(f"  %job{i}.p = getelementptr i64, ptr %ctl, i64 {JOB + i}\n"
                      f"  store i64 {v}, ptr %job{i}.p, align 8" for i, v in enumerate(values))
+
+
+def _share(total: str, first: str, last: str) -> str:
+    """The range [first, last) of `total` items that part %index of %parts takes."""
+    return (f"  %{first}.lo = mul i64 %{total}, %index\n  %{first} = udiv i64 %{first}.lo, %parts\n"
+            f"  %{last}.index = add i64 %index, 1\n  %{last}.hi = mul i64 %{total}, %{last}.index\n"
+            f"  %{last} = udiv i64 %{last}.hi, %parts")
 
 
 def _product_part() -> str:
@@ -225,11 +241,7 @@ entry:
   %w = inttoptr i64 %wi to ptr
   %aq = inttoptr i64 %aqi to ptr
   %asc = inttoptr i64 %asci to ptr
-  %lo = mul i64 %n, %index
-  %n0 = udiv i64 %lo, %parts
-  %index1 = add i64 %index, 1
-  %hi = mul i64 %n, %index1
-  %n1 = udiv i64 %hi, %parts
+{_share("n", "n0", "n1")}
   %b8 = shl i64 %bits, 3
   %kind = add i64 %b8, %m
   switch i64 %kind, label %exit [ {" ".join(cases)} ]
@@ -340,7 +352,7 @@ entry:
   %parts = add i64 %workers, 1
   %desci = ptrtoint ptr %desc to i64
   %yi = ptrtoint ptr %y to i64
-{_stores(JOB, (str(PRODUCT), "%desci", "%m", "%yi", "%parts"))}
+{_post(PRODUCT, PRODUCT_FIELDS)}
   call void @run_job(ptr %ctl, i64 %workers)
   ret void
 }}
@@ -358,8 +370,7 @@ entry:
   %scratchi = ptrtoint ptr %scratch to i64
   %scale32 = bitcast float %scale to i32
   %scalebits = zext i32 %scale32 to i64
-{_stores(JOB, (str(ATTENTION), "%qi", "%qstride", "%kvi", "%kvstride", "%idxi", "%maxkv", "%lensi", "%outi",
-               "%items", "%heads", "%kvheads", "%scalebits", "%scratchi", "%sstride", "%parts", "%dim"))}
+{_post(ATTENTION, ATTENTION_FIELDS)}
   call void @run_job(ptr %ctl, i64 %workers)
   ret void
 }}
@@ -468,8 +479,7 @@ def _attend(dim: int) -> str:
            "entry:",
            "  %group = udiv i64 %heads, %kvheads",
            "  %scale2 = fmul float %scale, " + _f32(1 / math.log(2)),
-           "  %s2i = insertelement <16 x float> poison, float %scale2, i64 0",
-           "  %s2v = shufflevector <16 x float> %s2i, <16 x float> poison, <16 x i32> zeroinitializer",
+           *_broadcast("s2v", "%scale2", 16),
            "  %none = icmp uge i64 %i0, %i1",
            "  br i1 %none, label %exit, label %item",
            "item:",
@@ -520,8 +530,7 @@ def _attend(dim: int) -> str:
             "  %wd = fsub float %ws, %mx.next",
             "  %pw = call float @exp2_neg(float %wd)",
             "  %sum.next = fadd float %sum, %pw",
-            "  %pwi = insertelement <16 x float> poison, float %pw, i64 0",
-            "  %pwv = shufflevector <16 x float> %pwi, <16 x float> poison, <16 x i32> zeroinitializer",
+            *_broadcast("pwv", "%pw", 16),
             "  %vslotp = getelementptr i64, ptr %idxb, i64 %jj",
             "  %vslot = load i64, ptr %vslotp, align 8",
             "  %vrow = mul i64 %vslot, %kvstride",
@@ -535,8 +544,7 @@ def _attend(dim: int) -> str:
             "  br i1 %wmore, label %weigh, label %normalize",
             "normalize:",
             "  %inv = fdiv float 1.0, %sum.next",
-            "  %invi = insertelement <16 x float> poison, float %inv, i64 0",
-            "  %invv = shufflevector <16 x float> %invi, <16 x float> poison, <16 x i32> zeroinitializer",
+            *_broadcast("invv", "%inv", 16),
             "  %ob = mul i64 %i, " + str(dim),
             "  %op = getelementptr bfloat, ptr %out, i64 %ob"]
     for v in range(nv):
@@ -576,11 +584,7 @@ entry:
   %scale = bitcast i32 %scale32 to float
   %so = mul i64 %sstride, %index
   %scr = getelementptr float, ptr %scratch, i64 %so
-  %lo = mul i64 %items, %index
-  %i0 = udiv i64 %lo, %parts
-  %index1 = add i64 %index, 1
-  %hi = mul i64 %items, %index1
-  %i1 = udiv i64 %hi, %parts
+{_share("items", "i0", "i1")}
   switch i64 %dim, label %exit [ {cases} ]
 {blocks}
 exit:
