@@ -163,28 +163,52 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return times
 
 
+async def _send(http: aiohttp.ClientSession, url: str, graph: str) -> float:
+    """One program to /run_program (greedy); its latency (s)."""
+    t0 = time.perf_counter()
+    body = {"graph": json.loads(graph), "sampling_defaults": {"temperature": 0}}
+    async with http.post(url + "/run_program", json=body) as resp:
+        out = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"program failed: {out}")
+    return time.perf_counter() - t0
+
+
 async def program_latencies(url: str, graphs: list[str], start: float, sends: list[float]) -> tuple[list[float], float]:
-    """Send each graph to /run_program (greedy) at ``start + sends[i]`` (perf_counter seconds); each
-    program's latency from its own send, and the wall time from ``start`` to the last response."""
-    timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    """Send each graph at ``start + sends[i]`` (perf_counter seconds); each program's latency from
+    its own send, and the wall time from ``start`` to the last response."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
         async def one(graph: str, send: float) -> float:
             await asyncio.sleep(max(start + send - time.perf_counter(), 0.0))
-            t0 = time.perf_counter()
-            body = {"graph": json.loads(graph), "sampling_defaults": {"temperature": 0}}
-            async with http.post(url + "/run_program", json=body) as resp:
-                out = await resp.json()
-                if resp.status != 200:
-                    raise RuntimeError(f"program failed: {out}")
-            return time.perf_counter() - t0
+            return await _send(http, url, graph)
 
         lat = await asyncio.gather(*(one(g, t) for g, t in zip(graphs, sends)))
         return list(lat), time.perf_counter() - start
 
 
-async def side_by_side(urls: list[str], graphs: list[str], sends: list[float]) -> list[tuple[list[float], float]]:
-    """The same graphs sent to each server on the same schedule, from the same moment."""
+async def closed_loop(url: str, graphs: list[str], start: float, concurrency: int) -> tuple[list[float], float]:
+    """``concurrency`` clients, each sending its next program (the graphs in order) as soon as its
+    last one answered, so that many programs are in flight until the graphs run out; each
+    program's latency (in the graphs' order), and the wall time from ``start`` to the last response."""
+    queue = list(reversed(range(len(graphs))))
+    lat = [0.0] * len(graphs)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
+        async def client() -> None:
+            while queue:
+                i = queue.pop()
+                lat[i] = await _send(http, url, graphs[i])
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return lat, time.perf_counter() - start
+
+
+async def side_by_side(urls: list[str], graphs: list[str], sends: list[float],
+                       concurrency: int = 0) -> list[tuple[list[float], float]]:
+    """The same graphs sent to each server on the same schedule (or the same closed loop of
+    ``concurrency`` clients), from the same moment."""
     start = time.perf_counter()
+    if concurrency > 0:
+        return list(await asyncio.gather(*(closed_loop(url, graphs, start, concurrency) for url in urls)))
     return list(await asyncio.gather(*(program_latencies(url, graphs, start, sends) for url in urls)))
 
 
@@ -203,7 +227,7 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
             asyncio.run(side_by_side(urls, graphs[:3], [0.0] * 3))  # warm-up: one program of each kind
             for url in urls:
                 flush(url)
-            results = asyncio.run(side_by_side(urls, graphs, sends))
+            results = asyncio.run(side_by_side(urls, graphs, sends, args.concurrency))
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -211,14 +235,17 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
         for mode, (lat, wall) in zip(servers, results):
             row = {"p50": percentile(lat, 0.5), "p90": percentile(lat, 0.9), "p99": percentile(lat, 0.99),
                    "max": max(lat), "mean": statistics.mean(lat), "wall": wall}
+            for k, name in enumerate(WORKLOADS):  # program i is workload i % 3
+                row[f"p99 {name}"] = percentile(lat[k::3], 0.99)
             runs[mode].append(row)
             print(f"program scheduling {mode:3s}: {args.programs} programs  p50 {row['p50']:7.2f} s  "
                   f"p90 {row['p90']:7.2f} s  p99 {row['p99']:7.2f} s  max {row['max']:7.2f} s  "
-                  f"mean {row['mean']:7.2f} s  wall {wall:7.2f} s", flush=True)
+                  f"mean {row['mean']:7.2f} s  wall {wall:7.2f} s  p99 by workload "
+                  + ", ".join(f"{row[f'p99 {name}']:.2f}" for name in WORKLOADS), flush=True)
     best = {mode: {k: min(r[k] for r in rows) for k in rows[0]} for mode, rows in runs.items()}
     ratio = {k: best["off"][k] / best["on"][k] for k in best["on"]}
     print("off / on (best of rounds): " + "  ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
-    return {"arrival_rate": args.arrival_rate, "seed": args.seed, "doc_words": args.doc_words, "last_send": sends[-1],
+    return {"arrival_rate": args.arrival_rate, "concurrency": args.concurrency, "seed": args.seed, "doc_words": args.doc_words, "last_send": sends[-1],
             "runs": runs, "best": best, "off_over_on": ratio}
 
 
@@ -235,15 +262,20 @@ def main() -> None:
     ap.add_argument("--server-args", default="", help="more flags for the started servers, e.g. "
                                                        "'--model dummy:smollm2-135m --device cuda'")
     ap.add_argument("--scheduling", action="store_true", help="program-aware scheduling on vs off")
-    ap.add_argument("--programs", type=int, default=64, help="--scheduling: concurrent programs")
+    ap.add_argument("--programs", type=int, default=64, help="--scheduling: programs (all sent at once unless --arrival-rate or --concurrency)")
     ap.add_argument("--rounds", type=int, default=2, help="--scheduling: on/off pairs (fresh servers)")
     ap.add_argument("--arrival-rate", type=float, default=0.0,
                     help="--scheduling: programs per second, Poisson arrivals (0: all sent at once)")
     ap.add_argument("--seed", type=int, default=0, help="--scheduling: the arrival times' random seed")
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="--scheduling: a closed loop of this many clients, each sending its next program when "
+                         "the last one answered (0: the --arrival-rate schedule)")
     ap.add_argument("--doc-words", type=int, default=0,
                     help="--scheduling: each program opens with a document of its own of this many words (KV "
                          "pressure with a small --max-total-tokens in --server-args)")
     args = ap.parse_args()
+    if args.concurrency < 0 or (args.concurrency and args.arrival_rate):
+        ap.error("--concurrency must be >= 0, and not given with --arrival-rate")
     if args.arrival_rate < 0:
         ap.error(f"--arrival-rate must be >= 0 (0: all at once), got {args.arrival_rate}")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpu": platform.processor(),

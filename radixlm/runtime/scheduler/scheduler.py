@@ -9,9 +9,10 @@ output). Plain ints and lists only: no torch here.
 
 Program-aware admission (config.program_scheduling): requests carry the program they belong to
 (`ProgramTag`). Requests of programs already started go before those that start new programs,
-oldest program first, within a fairness bound (`program_fairness`); a fork's siblings are
-admitted back to back; a fork's prefix prefill keeps its KV locked until its branches are
-admitted, so it is computed once even when the cache is under pressure.
+oldest program first, within a fairness bound (`program_fairness`); new programs start in the
+order they came; a fork's siblings are admitted back to back; a fork's prefix prefill keeps its
+KV locked until its branches are admitted, so it is computed once even when the cache is under
+pressure.
 """
 
 from __future__ import annotations
@@ -422,7 +423,7 @@ class Scheduler:
     def _program_order(self, order: list[Request]) -> list[Request]:
         """``order`` regrouped: requests past the fairness bound first (in the policy's order), then
         those of started programs (oldest program first, each fork's siblings together), then the
-        rest in the policy's order."""
+        rest (new programs' first requests, requests of no program) first come, first served."""
         pos = {id(r): i for i, r in enumerate(order)}
         group_at: dict[tuple[str, str | None], int] = {}  # where each fork group first appears
         for r in order:
@@ -436,7 +437,9 @@ class Scheduler:
         bound = self.config.program_fairness
         urgent = [r for r in order if r.passed_over >= bound]
         preferred = sorted((r for r in order if r.passed_over < bound and self._preferred(r)), key=program_rank)
-        rest = [r for r in order if r.passed_over < bound and not self._preferred(r)]
+        # new programs start in the order they came (under lpm, a new program whose prompt shares a
+        # longer cached prefix would otherwise start before older ones again and again)
+        rest = sorted((r for r in order if r.passed_over < bound and not self._preferred(r)), key=lambda r: r.arrival)
         return urgent + preferred + rest
 
     def _passes(self, req: Request, rank: dict[int, int], deferred: set[int]) -> list[Request]:

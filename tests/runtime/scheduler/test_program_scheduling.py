@@ -65,6 +65,23 @@ def test_older_programs_go_first_and_fork_siblings_stay_together():
     assert admission_order(sim)[2:] == ["p0", "p1", "q0", "q1"]
 
 
+def test_new_programs_start_in_the_order_they_came():
+    """Under lpm a new program whose prompt shares a longer cached prefix would start first (and,
+    with such programs arriving, an older one would wait again and again); with program scheduling
+    on, new programs start first come, first served."""
+    orders = {}
+    for on in (True, False):
+        sim = psim(1000, policy="lpm", max_running_requests=1, program_scheduling=on)
+        sim.add("x", list(range(1, 21)), 1)  # leaves its 20 tokens in the cache
+        sim.run()
+        sim.add("b1", [40, 41, 42], 1, program=tag("B"))
+        sim.add("c1", list(range(1, 21)) + [43], 1, program=tag("C"))
+        sim.run()
+        orders[on] = admission_order(sim)
+    assert orders[True] == ["x", "b1", "c1"]
+    assert orders[False] == ["x", "c1", "b1"]  # off: the longest cached prefix first
+
+
 def test_requests_without_a_program_are_never_preferred_but_not_starved():
     sim = psim(1000, policy="fcfs", max_running_requests=1, program_fairness=2)
     sim.add("a0", [1], 1, program=tag("A"))
