@@ -219,6 +219,7 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
     graphs = [funcs[i % 3].trace(i, args.doc_words).to_json() for i in range(args.programs)]
     sends = arrival_times(args.programs, args.arrival_rate, args.seed)
     runs: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    latencies: dict[str, list[list[float]]] = {"on": [], "off": []}  # per round, in the graphs' order
     for _ in range(args.rounds):
         servers = {mode: start_server(["--dtype", args.dtype, "--program-scheduling", mode,
                                        *args.server_args.split()]) for mode in ("on", "off")}
@@ -237,16 +238,25 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
                    "max": max(lat), "mean": statistics.mean(lat), "wall": wall}
             for k, name in enumerate(WORKLOADS):  # program i is workload i % 3
                 row[f"p99 {name}"] = percentile(lat[k::3], 0.99)
+            steady = ""
+            if 0 < args.concurrency and 3 * args.concurrency <= args.programs:
+                # the programs sent after the first C (sent together at the start) and before the
+                # last C (which run while fewer than C programs are left in flight)
+                middle = lat[args.concurrency : args.programs - args.concurrency]
+                row["steady p50"], row["steady p99"] = percentile(middle, 0.5), percentile(middle, 0.99)
+                steady = f"  steady state p50 {row['steady p50']:.2f} s  p99 {row['steady p99']:.2f} s"
             runs[mode].append(row)
+            latencies[mode].append(lat)
             print(f"program scheduling {mode:3s}: {args.programs} programs  p50 {row['p50']:7.2f} s  "
                   f"p90 {row['p90']:7.2f} s  p99 {row['p99']:7.2f} s  max {row['max']:7.2f} s  "
                   f"mean {row['mean']:7.2f} s  wall {wall:7.2f} s  p99 by workload "
-                  + ", ".join(f"{row[f'p99 {name}']:.2f}" for name in WORKLOADS), flush=True)
+                  + ", ".join(f"{row[f'p99 {name}']:.2f}" for name in WORKLOADS) + steady, flush=True)
     best = {mode: {k: min(r[k] for r in rows) for k in rows[0]} for mode, rows in runs.items()}
     ratio = {k: best["off"][k] / best["on"][k] for k in best["on"]}
     print("off / on (best of rounds): " + "  ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
-    return {"arrival_rate": args.arrival_rate, "concurrency": args.concurrency, "seed": args.seed, "doc_words": args.doc_words, "last_send": sends[-1],
-            "runs": runs, "best": best, "off_over_on": ratio}
+    return {"arrival_rate": args.arrival_rate, "concurrency": args.concurrency, "seed": args.seed,
+            "doc_words": args.doc_words, "last_send": sends[-1], "runs": runs, "best": best, "off_over_on": ratio,
+            "latencies": latencies}
 
 
 def main() -> None:

@@ -412,18 +412,22 @@ class Scheduler:
             req.prefix_hint, req.node = len(m.slots), m.node
 
     def _policy_order(self) -> list[Request]:
-        """The waiting requests in the scheduling policy's order."""
+        """The waiting requests in the scheduling policy's order; first come, first served under
+        program scheduling, whose order of programs takes the policy's place (and which then
+        spares the prefix matches that lpm and dfs-weight redo for every waiting request each step)."""
         policy = self.config.policy
-        if policy == "lpm" and len(self.waiting) > self.config.lpm_max_queue:
+        if self.config.program_scheduling or (policy == "lpm" and len(self.waiting) > self.config.lpm_max_queue):
             policy = "fcfs"
         if policy != "fcfs":
             self._refresh_matches()
         return POLICIES[policy](self.waiting)
 
     def _program_order(self, order: list[Request]) -> list[Request]:
-        """``order`` regrouped: requests past the fairness bound first (in the policy's order), then
-        those of started programs (oldest program first, each fork's siblings together), then the
-        rest (new programs' first requests, requests of no program) first come, first served."""
+        """``order`` (first come, first served) regrouped: requests past the fairness bound first,
+        then those of started programs (oldest program first, each fork's siblings together), then
+        the rest (new programs' first requests, requests of no program), so new programs start in
+        the order they came. (Under lpm's order a new program whose prompt shares a longer cached
+        prefix started before older ones again and again.)"""
         pos = {id(r): i for i, r in enumerate(order)}
         group_at: dict[tuple[str, str | None], int] = {}  # where each fork group first appears
         for r in order:
@@ -437,9 +441,7 @@ class Scheduler:
         bound = self.config.program_fairness
         urgent = [r for r in order if r.passed_over >= bound]
         preferred = sorted((r for r in order if r.passed_over < bound and self._preferred(r)), key=program_rank)
-        # new programs start in the order they came (under lpm, a new program whose prompt shares a
-        # longer cached prefix would otherwise start before older ones again and again)
-        rest = sorted((r for r in order if r.passed_over < bound and not self._preferred(r)), key=lambda r: r.arrival)
+        rest = [r for r in order if r.passed_over < bound and not self._preferred(r)]
         return urgent + preferred + rest
 
     def _passes(self, req: Request, rank: dict[int, int], deferred: set[int]) -> list[Request]:
