@@ -161,7 +161,8 @@ def run_stream(bound: int, rows: int, reqs, on: bool) -> Sim:
 @given(program_streams())
 def test_no_request_is_overtaken_by_more_than_the_fairness_bound(stream):
     """fcfs + program scheduling: for every request, at most program_fairness requests that arrived
-    after it are admitted before it (off: none); outputs are those of the requests run alone."""
+    after it are admitted before it (off: none), and its count of them is exact; outputs are those
+    of the requests run alone."""
     bound, rows, reqs = stream
     for on in (True, False):
         sim = run_stream(bound, rows, reqs, on)
@@ -170,6 +171,8 @@ def test_no_request_is_overtaken_by_more_than_the_fairness_bound(stream):
         for k, rid in enumerate(order):
             overtakers = [o for o in order[:k] if arrival[o] > arrival[rid]]
             assert len(overtakers) <= (bound if on else 0), (rid, overtakers)
+            if on:  # counted exactly, admission by admission or once after a pass
+                assert sim.requests[rid].passed_over == len(overtakers), rid
         for rid, prompt, max_new, _, _ in reqs:
             assert sim.requests[rid].output_ids == reference_output(prompt, max_new), rid
         for name in "ABCD":
