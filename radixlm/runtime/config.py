@@ -99,7 +99,7 @@ class SchedulerConfig:
     # A request that starts a new program (or has none) waits for at most this many admissions of
     # running programs' requests preferred over it; then it goes first. 2048: at 64 the bound
     # turned most waiting programs urgent within a few steps, so the admission order fell back to
-    # the policy's; measured in a closed loop of 64 programs (docs/benchmarks.md).
+    # arrival order; measured in a closed loop of 64 programs (docs/benchmarks.md).
     program_fairness: int = 2048
 
     def __post_init__(self) -> None:

@@ -484,7 +484,8 @@ class Scheduler:
         # this pass, the passes are counted once after it, not by a scan of the queue per admission
         # (the same counts; ~0.3 ms a step at ~100 waiting requests on a loaded CPU)
         fairness = self.config.program_fairness
-        eager = max((r.passed_over for r in self.waiting), default=0) + len(self.free_rows) >= fairness
+        eager = self.config.program_scheduling and (
+            max((r.passed_over for r in self.waiting), default=0) + len(self.free_rows) >= fairness)
         admitted_ranks: list[int] = []
         cutoff: dict[int, int] = {}  # id of a request admitted or deferred in this pass -> admissions before it
         for req in order:
