@@ -446,11 +446,9 @@ class Scheduler:
         return urgent + preferred + rest
 
     def _passes(self, req: Request, rank: dict[int, int], deferred: set[int]) -> list[Request]:
-        """The waiting requests that admitting req now overtakes: those before it in the policy's
-        order (``rank``) but the ``deferred`` ones, which wait for a prefix in flight and could not
-        run now anyway; none when program scheduling is off (then the policy's order is kept)."""
-        if not self.config.program_scheduling:
-            return []
+        """The waiting requests that admitting req now overtakes (under program scheduling): those
+        before it in the base order (``rank``) but the ``deferred`` ones, which wait for a prefix in
+        flight and could not run now anyway."""
         return [r for r in self.waiting if rank[id(r)] < rank[id(req)] and id(r) not in deferred]
 
     def _blockers(self, rank: dict[int, int]) -> _Blockers:
