@@ -28,9 +28,10 @@ for step in "$@"; do
             done ;;
     # A closed loop: 64 clients, each sending its next program as soon as its last one answered
     # (64 programs in flight until 256 were sent), into servers capped at 16 running requests.
+    # CLOSED_ARGS: more server flags; CLOSED_TAG: a suffix for the result files.
     closed) python3 benchmarks/run_program.py --scheduling --programs 256 --concurrency 64 --rounds ${CLOSED_ROUNDS:-3} \
               --dtype bfloat16 --server-args "$SERVER --max-running-requests 16 --max-queued-requests 100000 ${CLOSED_ARGS:-}" \
-              --out "$OUT/program_closed_loop_gpu.json" 2>&1 | tee "$OUT/closed.log" ;;
+              --out "$OUT/program_closed_loop_gpu${CLOSED_TAG:-}.json" 2>&1 | tee "$OUT/closed${CLOSED_TAG:-}.log" ;;
     ways) python3 benchmarks/run_program.py --sizes 1,32 --repeats 3 --dtype bfloat16 \
             --server-args "$SERVER" --out "$OUT/run_program_gpu.json" 2>&1 | tee "$OUT/ways.log" ;;
   esac

@@ -126,6 +126,16 @@ def flush(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b"{}", method="POST"), timeout=30)
 
 
+STEP_STATS = ("steps", "prompt_steps", "rows_fed")
+
+
+def step_stats(url: str) -> dict[str, int]:
+    """The engine's step counters (/get_server_info): steps, steps that fed a prompt, rows fed."""
+    with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
+        stats = json.load(r)["stats"]
+    return {k: int(stats[k]) for k in STEP_STATS}
+
+
 def measure(func: Any, n: int, backend: Any, repeats: int) -> float:
     """Best wall time (s) of ``repeats`` runs of ``n`` concurrent programs (the cache flushed before each)."""
     best = float("inf")
@@ -228,14 +238,17 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
             asyncio.run(side_by_side(urls, graphs[:3], [0.0] * 3))  # warm-up: one program of each kind
             for url in urls:
                 flush(url)
+            before = [step_stats(url) for url in urls]
             results = asyncio.run(side_by_side(urls, graphs, sends, args.concurrency))
+            counts = [{k: after[k] - was[k] for k in STEP_STATS}
+                      for was, after in zip(before, (step_stats(url) for url in urls))]
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(60)
-        for mode, (lat, wall) in zip(servers, results):
+        for mode, (lat, wall), steps in zip(servers, results, counts):
             row = {"p50": percentile(lat, 0.5), "p90": percentile(lat, 0.9), "p99": percentile(lat, 0.99),
-                   "max": max(lat), "mean": statistics.mean(lat), "wall": wall}
+                   "max": max(lat), "mean": statistics.mean(lat), "wall": wall, **steps}
             for k, name in enumerate(WORKLOADS):  # program i is workload i % 3
                 row[f"p99 {name}"] = percentile(lat[k::3], 0.99)
             steady = ""
@@ -250,7 +263,9 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
             print(f"program scheduling {mode:3s}: {args.programs} programs  p50 {row['p50']:7.2f} s  "
                   f"p90 {row['p90']:7.2f} s  p99 {row['p99']:7.2f} s  max {row['max']:7.2f} s  "
                   f"mean {row['mean']:7.2f} s  wall {wall:7.2f} s  p99 by workload "
-                  + ", ".join(f"{row[f'p99 {name}']:.2f}" for name in WORKLOADS) + steady, flush=True)
+                  + ", ".join(f"{row[f'p99 {name}']:.2f}" for name in WORKLOADS) + steady
+                  + f"  steps {steps['steps']} ({steps['prompt_steps']} with a prompt, "
+                  f"{steps['rows_fed'] / max(steps['steps'], 1):.1f} rows a step)", flush=True)
     best = {mode: {k: min(r[k] for r in rows) for k in rows[0]} for mode, rows in runs.items()}
     ratio = {k: best["off"][k] / best["on"][k] for k in best["on"]}
     print("off / on (best of rounds): " + "  ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))

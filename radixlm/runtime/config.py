@@ -101,11 +101,23 @@ class SchedulerConfig:
     # turned most waiting programs urgent within a few steps, so the admission order fell back to
     # arrival order; measured in a closed loop of 64 programs (docs/benchmarks.md).
     program_fairness: int = 2048
+    # New programs start only while fewer than this many started programs are under way (with a
+    # request waiting or running, or between two of their requests for up to program_gap_steps
+    # steps: the next one is on its way from the server); 0: max_running_requests. Without it each
+    # step a program spent between two requests let a new program start, and a closed loop of 64
+    # programs on 16 rows ran up to 41 started programs at once, oldest first, so the younger ones
+    # waited hundreds of steps between their requests. 8 steps: on the GPU (~5 ms steps) a
+    # program's next request came too late for 2 (docs/benchmarks.md).
+    program_active_cap: int = 0
+    program_gap_steps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_prefill_tokens", "lpm_max_queue", "program_fairness"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("program_active_cap", "program_gap_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
         if self.chunked_prefill_size < 0:

@@ -152,6 +152,8 @@ class EngineCore:
         self.ahead_steps = 0  # decode steps queued ahead of the host (the overlap schedule)
         self.ahead_extends = 0  # jump-forward extends among them
         self.steps = 0
+        self.prompt_steps = 0  # steps that fed some prompt (or a jump's forced tokens), not only decodes
+        self.rows_fed = 0  # the steps' sequences in all: over steps, the mean batch
 
     def check_ranks(self) -> None:
         """Raise RankFailure if a tensor-parallel worker rank has exited (cheap: a non-blocking wait)."""
@@ -217,7 +219,7 @@ class EngineCore:
         if self.device.type == "cuda":
             self.output.jump_policy = self._measure_jump_cost()
         self.cache.reset()
-        self.steps = 0
+        self.steps = self.prompt_steps = self.rows_fed = 0
         self.output.totals.prompt_tokens = self.output.totals.cached_tokens = 0
 
     def _measure_jump_cost(self) -> JumpPolicy:
@@ -354,6 +356,8 @@ class EngineCore:
         if not scheduled:
             return None
         self.steps += 1
+        self.rows_fed += len(scheduled)
+        self.prompt_steps += any(s.prefill for s in scheduled)
         logits = self.runner.forward([s.seq for s in scheduled])
         rows: list[int] = []
         samplers: list[EngineRequest] = []
@@ -471,6 +475,8 @@ class EngineCore:
         live = [i for i, r in enumerate(run.samplers) if r.status is Status.RUNNING]
         if run.queued_ahead and live:
             self.steps += 1
+            self.rows_fed += len(run.step)
+            self.prompt_steps += any(s.prefill for s in run.step)
             for i in live:
                 run.samplers[i].forward_passes += 1
         lps = tops = None

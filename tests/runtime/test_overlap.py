@@ -54,12 +54,18 @@ def _strip(out: dict) -> tuple:
 def test_batch_outputs_equal(engines):
     on, off = engines
     assert on.core.overlap and not off.core.overlap
-    steps_before = on.core.steps
+    counters = [(e.core.steps, e.core.prompt_steps, e.core.rows_fed) for e in (on, off)]
     got = on.generate(PROMPTS, _params())
     ref = off.generate(PROMPTS, _params())
     assert [_strip(o) for o in got] == [_strip(o) for o in ref]
     assert {o["meta_info"]["finish_reason"]["type"] for o in ref} == {"stop", "length"}
-    assert on.core.steps > steps_before
+    for e, outs, (steps, prompt_steps, rows) in zip((on, off), (got, ref), counters):
+        passes = sum(o["meta_info"]["forward_passes"] for o in outs)
+        steps, prompt_steps, rows = e.core.steps - steps, e.core.prompt_steps - prompt_steps, e.core.rows_fed - rows
+        assert 1 <= prompt_steps < steps <= rows
+        # each step a request ran in is one row (a step queued ahead may also carry the row of a
+        # request that ended meanwhile)
+        assert rows == passes if e is off else rows >= passes
     on.core.check_idle_integrity()
     off.core.check_idle_integrity()
 

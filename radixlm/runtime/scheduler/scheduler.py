@@ -10,7 +10,9 @@ output). Plain ints and lists only: no torch here.
 Program-aware admission (config.program_scheduling): requests carry the program they belong to
 (`ProgramTag`). Requests of programs already started go before those that start new programs,
 oldest program first, within a fairness bound (`program_fairness`); new programs start in the
-order they came; a fork's siblings are admitted back to back; a fork's prefix prefill keeps its
+order they came, and only while fewer than `program_active_cap` started programs are under way
+(a program between two of its requests counts for `program_gap_steps` steps); a fork's siblings
+are admitted back to back; a fork's prefix prefill keeps its
 KV locked until its branches are admitted, so it is computed once even when the cache is under
 pressure.
 """
@@ -61,6 +63,7 @@ class _Hold:
 class _Program:
     started: int  # admission order of its first request
     holds: dict[str, _Hold] = field(default_factory=dict)
+    idle_since: int | None = None  # the step its last request in flight ended (None: never yet)
 
 
 class Scheduler:
@@ -91,6 +94,8 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self.programs: OrderedDict[str, _Program] = OrderedDict()  # started programs, oldest first
         self._programs_started = 0
+        self._live: dict[str, int] = {}  # program id -> its requests waiting or running
+        self._steps = 0
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -99,6 +104,8 @@ class Scheduler:
         self._arrivals += 1
         req.status = Status.WAITING
         self.waiting.append(req)
+        if req.program is not None and self.config.program_scheduling:
+            self._live[req.program.id] = self._live.get(req.program.id, 0) + 1
 
     def validate(self, req: Request) -> None:
         """Raise ValueError when req can never run here (empty, or longer than context or pool)."""
@@ -126,6 +133,8 @@ class Scheduler:
             self.running.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        if req.program is not None and self.config.program_scheduling:
+            self._went(req.program.id)
 
     def end_reason(self, req: Request) -> str | None:
         """Why req is finished after its newest token: "stop" (a stop matched), "length" (its
@@ -225,6 +234,7 @@ class Scheduler:
 
     def _schedule(self) -> list[Scheduled]:
         c = self.config
+        self._steps += 1
         self.new_token_ratio = max(self.new_token_ratio - c.new_token_ratio_decay, c.min_new_token_ratio)
         decoding = [r for r in self.running if r.is_decoding]
         prefilling = [r for r in self.running if not r.is_decoding]
@@ -285,6 +295,24 @@ class Scheduler:
             self.cache.unlock(old.node)
         self.cache.lock(match.node)
         prog.holds[tag.group] = _Hold(match.node, len(match.slots), tag.hold)
+
+    def _went(self, program_id: str) -> None:
+        """One of the program's requests finished."""
+        left = self._live.get(program_id, 0) - 1
+        if left > 0:
+            self._live[program_id] = left
+            return
+        self._live.pop(program_id, None)
+        prog = self.programs.get(program_id)
+        if prog is not None:
+            prog.idle_since = self._steps
+
+    def _active_programs(self) -> int:
+        """Started programs with a request waiting or running, or between two of their requests
+        for at most program_gap_steps steps (its next request is on its way)."""
+        gap = self.config.program_gap_steps
+        return sum(1 for pid, p in self.programs.items()
+                   if pid in self._live or (p.idle_since is not None and self._steps - p.idle_since <= gap))
 
     def _started(self, program_id: str) -> _Program:
         prog = self.programs.get(program_id)
@@ -486,10 +514,18 @@ class Scheduler:
             max((r.passed_over for r in self.waiting), default=0) + len(self.free_rows) >= fairness)
         admitted_ranks: list[int] = []
         cutoff: dict[int, int] = {}  # id of a request admitted or deferred in this pass -> admissions before it
+        cap = self.config.program_active_cap or self.config.max_running_requests
+        active = self._active_programs() if self.config.program_scheduling else 0
         for req in order:
             if budget <= 0 or not self.free_rows:
                 break
             if blockers.before(req):
+                continue
+            starts = self.config.program_scheduling and req.program is not None and not self._preferred(req)
+            if starts and active >= cap and self.running:  # enough programs under way: this one
+                deferred.add(id(req))  # starts when one of them ends, and passing it overtakes nobody
+                cutoff[id(req)] = len(admitted_ranks)
+                blockers.drop(req)
                 continue
             limit = min(req.fill_len - 1, req.first_logit_pos())
             match = self.cache.match_prefix(req.fill_ids[:limit])
@@ -530,6 +566,7 @@ class Scheduler:
             out.append(s)
             in_flight.append(req)
             self._admitted(req)
+            active += starts
             blockers.drop(req)
             cutoff[id(req)] = len(admitted_ranks)
             admitted_ranks.append(rank[id(req)])

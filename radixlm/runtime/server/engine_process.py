@@ -51,6 +51,8 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "programs_scheduled": len(sched.programs),
         "program_held_tokens": sched.held_tokens,
         "steps": core.steps,
+        "prompt_steps": core.prompt_steps,
+        "rows_fed": core.rows_fed,
         "prompt_tokens_total": core.prompt_tokens_total,
         "cached_tokens_total": core.cached_tokens_total,
         **core.sessions.stats_dict(),

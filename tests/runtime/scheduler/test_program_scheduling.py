@@ -144,7 +144,9 @@ def program_streams(draw):
 
 
 def run_stream(bound: int, rows: int, reqs, on: bool) -> Sim:
-    sim = psim(4000, policy="fcfs", max_running_requests=rows, program_fairness=bound, program_scheduling=on)
+    # (no cap on the programs under way: a request held back by it is not overtaken, tested below)
+    sim = psim(4000, policy="fcfs", max_running_requests=rows, program_fairness=bound, program_scheduling=on,
+               program_active_cap=10**6)
 
     def before_step(sim: Sim) -> None:
         idle = not sim.sched.has_work
@@ -178,6 +180,61 @@ def test_no_request_is_overtaken_by_more_than_the_fairness_bound(stream):
         for name in "ABCD":
             sim.sched.end_program(name)
         sim.check_idle()
+
+
+# -- programs under way capped ------------------------------------------------------------------
+def test_no_new_program_starts_while_the_cap_is_reached():
+    """cap 2 with 4 rows: programs A and B run, C waits for one of them to end (its rows stay
+    free meanwhile); a request of no program is not held back; the passes C waited through are
+    not counted against the fairness bound (it could not start)."""
+    sim = psim(1000, policy="fcfs", max_running_requests=4, program_active_cap=2, program_fairness=1)
+    sim.add("a1", [1, 2, 3], 6, program=tag("A"))
+    sim.add("b1", [4, 5, 6], 6, program=tag("B"))
+    sim.step()
+    sim.add("c1", [7, 8, 9], 2, program=tag("C"))
+    sim.add("x", [10, 11, 12], 2)  # no program
+    sim.step()
+    assert admission_order(sim) == ["a1", "b1", "x"]
+    assert sim.requests["c1"].passed_over == 0
+    step_until(sim, lambda: sim.requests["a1"].status.value == "finished")
+    sim.sched.end_program("A")
+    sim.step()
+    assert admission_order(sim) == ["a1", "b1", "x", "c1"]
+    sim.run()
+    for name in "BC":
+        sim.sched.end_program(name)
+    sim.check_idle()
+
+
+def test_a_program_between_two_requests_keeps_its_place_for_program_gap_steps():
+    """cap 1: A's next request, arriving within program_gap_steps steps of its last one's end,
+    runs before B starts; once A has sent nothing for longer, B starts."""
+    for late, expected in ((1, ["x", "a1", "a2", "b1"]), (4, ["x", "a1", "b1", "a2"])):
+        sim = psim(1000, policy="fcfs", max_running_requests=3, program_active_cap=1, program_gap_steps=2)
+        sim.add("x", [9, 9, 9], 20)  # no program: keeps the server busy
+        sim.add("a1", [1, 2, 3], 1, program=tag("A"))
+        sim.step()
+        sim.add("b1", [4, 5, 6], 1, program=tag("B"))
+        sim.step()  # a1 ended in the step before; A is between two requests
+        for _ in range(late - 1):
+            sim.step()
+        sim.add("a2", [1, 2, 3, 7], 1, program=tag("A"))
+        sim.run()
+        assert admission_order(sim) == expected, late
+        for name in "AB":
+            sim.sched.end_program(name)
+        sim.check_idle()
+
+
+def test_the_cap_never_leaves_the_server_idle():
+    """With nothing running, a new program starts even while the cap counts others as between
+    two requests (a client that names its programs may never send their next one)."""
+    sim = psim(1000, policy="fcfs", max_running_requests=2, program_active_cap=1, program_gap_steps=100)
+    sim.add("a1", [1, 2, 3], 1, program=tag("A"))
+    sim.run()
+    sim.add("b1", [4, 5, 6], 1, program=tag("B"))
+    sim.step()
+    assert admission_order(sim) == ["a1", "b1"]
 
 
 # -- fork prefixes held ------------------------------------------------------------------------
