@@ -27,7 +27,7 @@ HELP = {
                     "(FBGEMM) in fp32 without native bf16, else none",
     "quant_dense_above": "quantized layers multiply a dense weight copy at steps of more rows (default: 1 under auto)",
     "program_active_cap": "program scheduling: new programs start only while fewer started ones are under way "
-                          "(default 0: --max-running-requests)",
+                          "(default 0: twice --max-running-requests)",
     "program_gap_steps": "program scheduling: steps a program between two of its requests still counts as under "
                          "way (default: 8)",
 }

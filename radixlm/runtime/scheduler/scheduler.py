@@ -514,7 +514,7 @@ class Scheduler:
             max((r.passed_over for r in self.waiting), default=0) + len(self.free_rows) >= fairness)
         admitted_ranks: list[int] = []
         cutoff: dict[int, int] = {}  # id of a request admitted or deferred in this pass -> admissions before it
-        cap = self.config.program_active_cap or self.config.max_running_requests
+        cap = self.config.program_active_cap or 2 * self.config.max_running_requests
         active = self._active_programs() if self.config.program_scheduling else 0
         for req in order:
             if budget <= 0 or not self.free_rows:
