@@ -103,8 +103,8 @@ class SchedulerConfig:
     program_fairness: int = 2048
     # New programs start only while fewer than this many started programs are under way (with a
     # request waiting or running, or between two of their requests for up to program_gap_steps
-    # steps: the next one is on its way from the server); 0: twice max_running_requests. Without it each
-    # step a program spent between two requests let a new program start, and a closed loop of 64
+    # steps: the next one is on its way from the server); 0: twice max_running_requests. Without
+    # it each step a program spent between two requests let a new program start, and a closed loop of 64
     # programs on 16 rows ran up to 41 started programs at once, oldest first, so the younger ones
     # waited hundreds of steps between their requests. Twice the rows: at one program a row some
     # rows stayed empty (the programs under way had nothing to run); 8 steps: on the GPU (~5 ms

@@ -12,9 +12,8 @@ Program-aware admission (config.program_scheduling): requests carry the program 
 oldest program first, within a fairness bound (`program_fairness`); new programs start in the
 order they came, and only while fewer than `program_active_cap` started programs are under way
 (a program between two of its requests counts for `program_gap_steps` steps); a fork's siblings
-are admitted back to back; a fork's prefix prefill keeps its
-KV locked until its branches are admitted, so it is computed once even when the cache is under
-pressure.
+are admitted back to back; a fork's prefix prefill keeps its KV locked until its branches are
+admitted, so it is computed once even when the cache is under pressure.
 """
 
 from __future__ import annotations
