@@ -17,7 +17,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -355,9 +355,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()  # unpins sessions, oldest first, when work would not fit
         if not scheduled:
             return None
-        self.steps += 1
-        self.rows_fed += len(scheduled)
-        self.prompt_steps += any(s.prefill for s in scheduled)
+        self._count_step(scheduled)
         logits = self.runner.forward([s.seq for s in scheduled])
         rows: list[int] = []
         samplers: list[EngineRequest] = []
@@ -469,14 +467,17 @@ class EngineCore:
                 return False
         return True
 
+    def _count_step(self, step: Sequence[Scheduled]) -> None:
+        self.steps += 1
+        self.rows_fed += len(step)
+        self.prompt_steps += any(s.prefill for s in step)
+
     def _process(self, run: StepRun) -> list[RequestOutput]:
         """Phase 3: the run's tokens on the host become outputs; finished requests leave."""
         ids = run.fetch()
         live = [i for i, r in enumerate(run.samplers) if r.status is Status.RUNNING]
         if run.queued_ahead and live:
-            self.steps += 1
-            self.rows_fed += len(run.step)
-            self.prompt_steps += any(s.prefill for s in run.step)
+            self._count_step(run.step)
             for i in live:
                 run.samplers[i].forward_passes += 1
         lps = tops = None

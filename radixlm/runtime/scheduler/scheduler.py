@@ -216,6 +216,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
         """Pick this step's work and allocate KV slots for it."""
+        self._steps += 1
         out = self._schedule()
         # KV held for later (fork prefixes, session pins) never starves live requests: reclaim it until work fits
         while not out and self.has_work and self._reclaim():
@@ -233,7 +234,6 @@ class Scheduler:
 
     def _schedule(self) -> list[Scheduled]:
         c = self.config
-        self._steps += 1
         self.new_token_ratio = max(self.new_token_ratio - c.new_token_ratio_decay, c.min_new_token_ratio)
         decoding = [r for r in self.running if r.is_decoding]
         prefilling = [r for r in self.running if not r.is_decoding]
@@ -515,6 +515,13 @@ class Scheduler:
         cutoff: dict[int, int] = {}  # id of a request admitted or deferred in this pass -> admissions before it
         cap = self.config.program_active_cap or 2 * self.config.max_running_requests
         active = self._active_programs() if self.config.program_scheduling else 0
+
+        def defer(req: Request) -> None:
+            """req cannot run now: passing it overtakes nobody."""
+            deferred.add(id(req))
+            cutoff[id(req)] = len(admitted_ranks)
+            blockers.drop(req)
+
         for req in order:
             if budget <= 0 or not self.free_rows:
                 break
@@ -522,18 +529,14 @@ class Scheduler:
                 continue
             starts = self.config.program_scheduling and req.program is not None and not self._preferred(req)
             if starts and active >= cap and self.running:  # enough programs under way: this one
-                deferred.add(id(req))  # starts when one of them ends, and passing it overtakes nobody
-                cutoff[id(req)] = len(admitted_ranks)
-                blockers.drop(req)
+                defer(req)  # starts when one of them ends
                 continue
             limit = min(req.fill_len - 1, req.first_logit_pos())
             match = self.cache.match_prefix(req.fill_ids[:limit])
             cached = len(match.slots)
             # only a cache that shares prefixes can serve them to the waiting request later
             if self.cache.shares_prefixes and any(self._shares_uncached(req, other, cached) for other in in_flight):
-                deferred.add(id(req))
-                cutoff[id(req)] = len(admitted_ranks)
-                blockers.drop(req)  # it could not run now: passing it overtakes nobody
+                defer(req)  # it waits for that prefix
                 continue
             need = self._expected_need(req, cached)
             if need > headroom and self.running:
