@@ -436,8 +436,14 @@ class EngineCore:
         Returns the requests whose grammar engine failed, with the error, and the tokens."""
         lazy = self.grammar.unmasked_rows(logits, reqs)
         failed = self.grammar.mask(logits, reqs, skip=lazy)
-        tokens = sample_tokens(logits, self._sampling_batch(reqs))
-        redo = self.grammar.rejected(reqs, tokens.tolist(), lazy) if lazy else []
+        batch = self._sampling_batch(reqs)
+        tokens = sample_tokens(logits, batch)
+        redo: list[int] = []
+        if lazy:
+            drawn = tokens.tolist()
+            redo, picked = self.grammar.rejected(reqs, drawn, lazy, logits if batch.raw_argmax else None)
+            for i in picked:  # a next-best token the grammar allows
+                tokens[i] = drawn[i]
         if redo:
             again, sub = [reqs[i] for i in redo], logits[redo]
             failed += self.grammar.mask(sub, again)

@@ -14,6 +14,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixlm.runtime.config import ConstraintConfig
@@ -29,6 +30,8 @@ COMPILE_WAIT_S = 0.05  # with nothing to run but grammars compiling, how long on
 # where the grammar's time goes: filling and applying masks, testing a drawn token (mask on
 # reject), accepting tokens, and after a token (planning the jump, asking whether it is complete)
 PHASES = ("mask", "test", "accept", "after_token")
+# a greedy row whose drawn token its grammar refuses tries this many next-best tokens before its mask
+NEXT_BEST_TRIES = 8
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class GrammarStep:
 
     jump: Jump | None
     done: bool
+
+
+_NOTHING = GrammarStep(None, False)
 
 
 class GrammarStage:
@@ -52,6 +58,7 @@ class GrammarStage:
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)  # for the per-token grammar cost
         self.tokens = 0
         self.masks_skipped = 0  # greedy rows whose drawn token the grammar allowed without a mask
+        self.next_best = 0  # of them, rows whose drawn token was refused and a next-best one allowed
         # the masks of a step, reused: two, so a step never overwrites a copy still in flight
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
@@ -132,7 +139,7 @@ class GrammarStage:
                 bitmask[j] = -1
         if any(masked):
             apply_bitmask_(logits, bitmask, rows)
-        self._spent("mask", t0)
+        self._spent("mask", t0, time.perf_counter())
         return failed
 
     def unmasked_rows(self, logits: torch.Tensor, reqs: list[EngineRequest]) -> list[int]:
@@ -149,20 +156,57 @@ class GrammarStage:
                 if r.matcher is not None and r.params.is_greedy and not r.return_logprob
                 and hasattr(r.matcher, "allows") and r.rid not in self._next_rows]
 
-    def rejected(self, reqs: list[EngineRequest], tokens: Sequence[int], rows: Sequence[int]) -> list[int]:
+    def rejected(self, reqs: list[EngineRequest], tokens: list[int], rows: Sequence[int],
+                 logits: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
         """The rows among ``rows`` whose drawn token their grammar forbids (or whose grammar engine
-        failed on the test: masking the row again reports the failure)."""
+        failed on the test: masking the row again reports the failure), and the rows whose token
+        was replaced in ``tokens``. Given ``logits`` whose argmax drew ``tokens``, a refused row
+        first tries its next-best tokens (:meth:`_next_allowed`), and needs no mask when its
+        grammar allows one of them."""
         t0 = time.perf_counter()
-        out = []
+        out: list[int] = []
+        picked: list[int] = []
         for i in rows:
+            matcher: Any = reqs[i].matcher  # (a matcher with ``allows``: unmasked_rows picked it)
             try:
-                if not reqs[i].matcher.allows(tokens[i]):  # type: ignore[union-attr]
-                    out.append(i)
+                if matcher.allows(tokens[i]):
+                    continue
+                better = None if logits is None else self._next_allowed(matcher, logits[i], tokens[i])
             except Exception:  # noqa: BLE001 - the row's mask fill raises it again, for its request alone
+                better = None
+            if better is None:
                 out.append(i)
+            else:
+                tokens[i] = better
+                picked.append(i)
+        self.next_best += len(picked)
         self.masks_skipped += len(rows) - len(out)
-        self._spent("test", t0)
-        return out
+        self._spent("test", t0, time.perf_counter())
+        return out, picked
+
+    def _next_allowed(self, matcher: Any, row: torch.Tensor, refused: int) -> int | None:
+        """A greedy row whose drawn token ``refused`` its grammar forbids: its next-best tokens in
+        the order argmax takes them (the highest logit first, the lowest id among equals), tested
+        in turn; the first the grammar allows is the masked row's argmax. None (the row is masked)
+        when none of the next ``NEXT_BEST_TRIES`` is allowed, or one of them is a stop token,
+        whose test cannot say, or every logit left is -inf. ``row`` is left as it was."""
+        x = row.numpy() if row.dtype == torch.float32 else row.float().numpy()
+        stops = self.service.vocab.stop_ids
+        hidden = [(refused, float(x[refused]))]
+        x[refused] = -np.inf
+        try:
+            for _ in range(NEXT_BEST_TRIES):
+                t = int(x.argmax())
+                if t in stops or x[t] == -np.inf:
+                    return None
+                if matcher.allows(t):
+                    return t
+                hidden.append((t, float(x[t])))
+                x[t] = -np.inf
+            return None
+        finally:
+            for t, v in hidden:
+                x[t] = v
 
     def _bitmask(self, n: int, pinned: bool) -> torch.Tensor:
         """n rows of a reused mask buffer (the two buffers take turns)."""
@@ -177,7 +221,7 @@ class GrammarStage:
         whether the grammar took it, or the grammar engine's exception."""
         t0 = time.perf_counter()
         out = accept_tokens([r.matcher for r in reqs], tokens)  # type: ignore[misc]
-        self._spent("accept", t0)
+        self._spent("accept", t0, time.perf_counter())
         self.tokens += len(reqs)
         return out
 
@@ -189,19 +233,26 @@ class GrammarStage:
         matcher = req.matcher
         assert matcher is not None
         t0 = time.perf_counter()
-        planned = None
-        if req.jump_forward and min_gain is not None:
+        step = _NOTHING
+        # (most tokens force nothing: asking that first spares planning a jump)
+        if req.jump_forward and min_gain is not None and matcher.forced_text(1):
             planned = self.service.jump_forward.jump(matcher, req.output_ids, floor, limit, min_gain)
-        done = False
+            if planned is not None:
+                step = GrammarStep(planned, False)
         if matcher.is_completed():
-            # the next step's row, filled now: it also says whether only a stop token may follow
-            row = allocate_bitmask(1, self.vocab_size)[0]
-            is_masked = matcher.fill_mask(row)
-            done = is_masked and self._only_stop_allowed(row)
-            if not done:
-                self._next_rows[req.rid] = (row, is_masked)
-        self._spent("after_token", t0)
-        return GrammarStep(planned, done)
+            only_stop_next = getattr(matcher, "only_stop_next", None)
+            if only_stop_next is not None and only_stop_next():  # the matcher knows: no mask needed
+                step = GrammarStep(step.jump, True)
+            else:
+                # the next step's row, filled now: it also says whether only a stop token may follow
+                row = allocate_bitmask(1, self.vocab_size)[0]
+                is_masked = matcher.fill_mask(row)
+                if is_masked and self._only_stop_allowed(row):
+                    step = GrammarStep(step.jump, True)
+                else:
+                    self._next_rows[req.rid] = (row, is_masked)
+        self._spent("after_token", t0, time.perf_counter())
+        return step
 
     def jump_at_start(self, req: EngineRequest, limit: int) -> Jump | None:
         """Before a request's first forward pass: the jump over the text its grammar forces at
@@ -216,7 +267,7 @@ class GrammarStage:
         try:
             return self.service.jump_forward.jump(matcher, [], 0, limit)
         finally:
-            self._spent("after_token", t0)
+            self._spent("after_token", t0, time.perf_counter())
 
     def forget(self, rid: str) -> None:
         """req finished: drop what was kept for its next step."""
@@ -248,13 +299,13 @@ class GrammarStage:
         """The grammar's time in all: masks, tests, accepts and jumps."""
         return sum(self.phase_seconds.values())
 
-    def _spent(self, phase: str, t0: float) -> None:
-        self.phase_seconds[phase] += time.perf_counter() - t0
+    def _spent(self, phase: str, t0: float, t1: float) -> None:
+        self.phase_seconds[phase] += t1 - t0
 
     def reset_counters(self) -> None:
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)
-        self.tokens = self.masks_skipped = 0
+        self.tokens = self.masks_skipped = self.next_best = 0
 
     def stats(self) -> dict[str, Any]:
         return {"grammar_seconds": self.seconds, "grammar_tokens": self.tokens,
-                "grammar_masks_skipped": self.masks_skipped}
+                "grammar_masks_skipped": self.masks_skipped, "grammar_next_best": self.next_best}

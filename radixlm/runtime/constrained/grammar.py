@@ -99,7 +99,10 @@ class GrammarMatcher(Protocol):
     ``allows(token) -> bool`` (whether the mask would allow ``token``, the state unchanged; False
     is always safe): greedy rows on the CPU then test the drawn token instead of masking first;
     and ``accept_many(tokens) -> int`` (accept in order until one is refused; how many were taken)
-    for jump-forward's runs of tokens (:func:`accept_run`)."""
+    for jump-forward's runs of tokens (:func:`accept_run`); and ``only_stop_next() -> bool``
+    (True when the text is complete and the grammar allows no more of it, so only a stop token
+    may follow; False is always safe): the engine then ends the output without filling a mask
+    to find out."""
 
     def fill_mask(self, bitmask_row: Any) -> bool:
         """Fill ``bitmask_row`` with the tokens allowed next; False when every token is allowed."""
@@ -142,8 +145,11 @@ def fill_masks(matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequence[
 def accept_tokens(matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool | Exception]:
     """Advance ``matchers[i]`` over ``tokens[i]``, a backend's matchers at once where it can.
     Entry i: whether the grammar took the token, or the exception its matcher raised."""
-    if len(matchers) == 1:
-        return [_call(matchers[0].accept, tokens[0])]
+    if len(matchers) == 1:  # (a batch of one, as at bs1: no grouping, no call between)
+        try:
+            return [bool(matchers[0].accept(tokens[0]))]
+        except Exception as e:  # noqa: BLE001 - a grammar-engine failure is its own row's
+            return [e]
     out: list[bool | Exception] = [False] * len(matchers)
     for cls, idx in _by_type(matchers).items():
         batch = getattr(cls, "accept_batch", None)

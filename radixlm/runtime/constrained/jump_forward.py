@@ -9,6 +9,10 @@ together with the forced string:
 
 - the window never reaches into the prompt nor into tokens whose KV the prefix cache holds
   (``floor``), starts on a UTF-8 character boundary and after any special token;
+- where the tokenizer has a split rule (:mod:`pre_tokens`), the window starts instead after the
+  last token boundary where the text always splits: the tokens before it stay as the model wrote
+  them (re-tokenizing them could only change tokens the model chose itself), and what is
+  re-tokenized is short and recurs (``","age":``), so its tokens are kept for the next time;
 - tokens the re-tokenization changes are rolled back in the matcher (and, by the caller, in
   the KV); the new ones are accepted, and if the grammar refuses any, nothing changes;
 - the last new token is held back when a longer vocabulary token starts with its bytes and the
@@ -29,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixlm.runtime.constrained.grammar import GrammarMatcher, accept_run
+from radixlm.runtime.constrained.pre_tokens import SplitRule
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
 __all__ = ["MAX_JUMP_CHARS", "Jump", "JumpForward", "JumpPolicy"]
@@ -40,6 +45,9 @@ MAX_JUMP_CHARS = 4096
 # A held-back last token whose longer tokens number at most this many has them tested against the
 # grammar (a few µs each); past it the token stays held back.
 MAX_EXTENSION_TESTS = 16
+# re-tokenized texts whose tokens are kept (the forced texts of the grammars in use, with the
+# piece of output before them); past it the store starts afresh
+MAX_KEPT_TEXTS = 4096
 
 
 @dataclass(frozen=True)
@@ -82,15 +90,27 @@ class JumpForward:
     """Plans and applies jumps for one tokenizer; ``encode`` is text -> token ids (no specials)."""
 
     def __init__(self, vocab: TokenizerVocab, encode: Callable[[str], list[int]],
-                 window: int = DEFAULT_WINDOW) -> None:
+                 window: int = DEFAULT_WINDOW, split: SplitRule | None = None) -> None:
         self.vocab = vocab
         self.encode = encode
         self.window = window
+        self.split = split
+        self._kept: dict[str, tuple[int, ...] | None] = {}  # text -> its tokens (None: they would not spell it)
         # the text tokens sorted by their bytes: those starting with some bytes are one run of it
         order = sorted((b, t) for t, b in enumerate(vocab.decoded) if b)
         self._sorted_bytes = [b for b, _ in order]
         self._sorted_ids = [t for _, t in order]
         self._max_token_bytes = max((len(b) for b in vocab.decoded), default=1) or 1
+        # per token id, whether a longer token starts with its bytes (a jump's last token is then
+        # held back): one lookup on the step's path, where a search of the sorted bytes takes ~16
+        # cold reads
+        self._extendable = bytearray(vocab.vocab_size)
+        after = b""  # the nearest sorted bytes after the current run of equal ones
+        for j in range(len(order) - 1, -1, -1):
+            piece = order[j][0]
+            if j + 1 < len(order) and order[j + 1][0] != piece:
+                after = order[j + 1][0]
+            self._extendable[order[j][1]] = after.startswith(piece) and after != piece
 
     def longer_tokens(self, piece: bytes, limit: int) -> list[int] | None:
         """The tokens whose bytes start with ``piece`` and go on; None when more than ``limit``."""
@@ -123,6 +143,38 @@ class JumpForward:
             start += 1
         return start
 
+    def _last_split(self, output_ids: Sequence[int], floor: int, forced: str) -> int | None:
+        """The last output position, at most a window back and not before ``floor``, where the
+        text always splits (the forced text after the output): re-tokenizing starts there. None
+        when there is none, or no split rule, or a token there is special or part of a character."""
+        if self.split is None:
+            return None
+        dec = self.vocab.decoded
+        right = forced[0]
+        for k in range(len(output_ids), max(floor, len(output_ids) - self.window), -1):
+            try:
+                text = dec[output_ids[k - 1]].decode("utf-8")
+            except UnicodeDecodeError:  # a token holding part of a character
+                return None
+            if not text:  # a special token
+                return None
+            if self.split(text[-1], right):
+                return k
+            right = text[0]
+        return None
+
+    def _tokens(self, text: str) -> tuple[int, ...] | None:
+        """``text``'s tokens, kept for the next time; None when they would not spell it (the
+        tokenizer normalized the text)."""
+        if text in self._kept:
+            return self._kept[text]
+        ids = tuple(self.encode(text))
+        got = ids if b"".join(self.vocab.decoded[t] for t in ids) == text.encode("utf-8") else None
+        if len(self._kept) >= MAX_KEPT_TEXTS:
+            self._kept.clear()
+        self._kept[text] = got
+        return got
+
     def jump(self, matcher: GrammarMatcher, output_ids: Sequence[int], floor: int, limit: int,
              min_gain: int = 1) -> Jump | None:
         """Advance ``matcher`` over the forced text and return the token change, or None (no change).
@@ -141,19 +193,21 @@ class JumpForward:
         if not forced or len(forced.encode("utf-8")) < min_gain:
             return None  # (each token spells a byte at least: too few bytes for min_gain, no need to re-tokenize)
         dec = self.vocab.decoded
-        start = self._window_start(output_ids, floor)
+        start = self._last_split(output_ids, floor, forced)
+        if start is None:
+            start = self._window_start(output_ids, floor)
         old = list(output_ids[start:])
-        old_bytes = b"".join(dec[t] for t in old)
         try:
-            old_text = old_bytes.decode("utf-8")
+            old_text = b"".join(dec[t] for t in old).decode("utf-8")
         except UnicodeDecodeError:  # the output ends inside a character
             return None
-        new = self.encode(old_text + forced)
-        pieces = [dec[t] for t in new]
-        if b"".join(pieces) != (old_text + forced).encode("utf-8"):
+        old_bytes = old_text.encode("utf-8")
+        new = self._tokens(old_text + forced)
+        if new is None:
             return None  # the tokenizer normalized the text: its tokens would not spell it
+        pieces = [dec[t] for t in new]
         n = min(len(new), limit - start)
-        held = n == len(new) > 0 and self.longer_tokens(pieces[-1], 0) is None  # a longer token starts with it
+        held = n == len(new) > 0 and bool(self._extendable[new[-1]])  # a longer token starts with it
         if held:
             n -= 1
         common = 0
@@ -163,7 +217,8 @@ class JumpForward:
         # give or take a token the re-tokenizing merges)
         if len(b"".join(pieces[:n])) <= len(old_bytes) or n - common < min_gain:
             return None
-        matcher.rollback(len(old) - common)
+        if len(old) > common:
+            matcher.rollback(len(old) - common)
         took = accept_run(matcher, new[common:n])
         if took == n - common and held and self._no_choice(matcher, new[n]) and accept_run(matcher, new[n:n + 1]):
             n, took = n + 1, took + 1

@@ -331,10 +331,14 @@ class LLGuidanceMatcher:
 
     ``allows`` tests a token by taking it (one call into llguidance, not two, since the token it
     allows is nearly always the one accepted next): the token stays taken, unseen, until
-    ``accept`` of the same token keeps it; any other call first gives it back (``_settle``)."""
+    ``accept`` of the same token keeps it; any other call first gives it back (``_settle``).
+    Having taken it, ``allows`` also asks llguidance for the forced text and whether the text is
+    complete after it (``_ahead``): the questions that follow an accepted token, answered while
+    llguidance's tables are still in the cache (asked later, after the Python between, each is a
+    cold call of its own). Any change of state but that ``accept`` drops the answers."""
 
     __slots__ = ("_m", "_executor", "vocab_size", "_decoded", "_stops", "_eos", "_extra_stops", "_accepted",
-                 "_terminated", "_tried")
+                 "_terminated", "_tried", "_ahead")
 
     def __init__(self, matcher: Any, executor: Any, vocab: TokenizerVocab) -> None:
         self._m = matcher
@@ -347,11 +351,13 @@ class LLGuidanceMatcher:
         self._accepted = 0
         self._terminated = False
         self._tried: int | None = None  # the token ``allows`` took ahead of its ``accept``
+        self._ahead: tuple[bytes, bool, bool] | None = None  # forced bytes, accepting, stopped
 
     def _settle(self) -> None:
         """Give back a token ``allows`` took that no ``accept`` kept."""
         if self._tried is not None:
             self._tried = None
+            self._ahead = None
             if not self._m.rollback(1):
                 raise RuntimeError(f"llguidance: rollback failed: {_clean_error(self._m.get_error())}")
 
@@ -419,11 +425,17 @@ class LLGuidanceMatcher:
         token = int(token)
         if token == self._tried:
             return True
-        self._settle()
+        if self._tried is not None:
+            self._settle()
         if self._terminated or not 0 <= token < self.vocab_size or token in self._stops or not self._decoded[token]:
             return False
-        if self._m.try_consume_tokens([token]) == 1:
+        m = self._m
+        if m.try_consume_tokens([token]) == 1:
             self._tried = token
+            # what the next calls will ask, while llguidance's tables are in the cache
+            self._ahead = (m.compute_ff_bytes(), bool(m.is_accepting()), bool(m.is_stopped()))
+            if m.is_error():
+                self._ahead = None  # forced_text asks again, and reports the error
             return True
         if self._m.is_error() and not self._dead_end():
             raise self._failure()
@@ -437,6 +449,7 @@ class LLGuidanceMatcher:
             self._accepted += 1
             return True
         self._settle()
+        self._ahead = None
         if self._terminated or not 0 <= token < self.vocab_size:
             return False
         if token in self._stops:
@@ -454,6 +467,7 @@ class LLGuidanceMatcher:
         """Advance over ``tokens`` in order, in one call into llguidance, until the grammar
         refuses one; how many it took."""
         self._settle()
+        self._ahead = None
         ids = [int(t) for t in tokens]
         if self._terminated or any(not 0 <= t < self.vocab_size or t in self._stops or not self._decoded[t]
                                    for t in ids):
@@ -485,6 +499,7 @@ class LLGuidanceMatcher:
         if n == 0:
             return
         self._settle()
+        self._ahead = None
         self._accepted -= n
         if self._terminated:
             self._terminated = False
@@ -497,12 +512,18 @@ class LLGuidanceMatcher:
         ends inside a character), at most ``max_chars`` characters."""
         if self._terminated or max_chars == 0:
             return ""
-        self._settle()
-        forced = self._m.compute_ff_bytes()
-        if self._m.is_error():
-            if self._dead_end():
-                return ""
-            raise self._failure()
+        ahead = self._ahead if self._tried is None else None
+        if ahead is not None:
+            forced = ahead[0]
+        else:
+            self._settle()
+            forced = self._m.compute_ff_bytes()
+            if self._m.is_error():
+                if self._dead_end():
+                    return ""
+                raise self._failure()
+        if not forced:
+            return ""
         text = _utf8_prefix(forced)
         return text if max_chars is None else text[:max_chars]
 
@@ -510,8 +531,23 @@ class LLGuidanceMatcher:
         """True once the text so far is a complete match (a stop token may follow)."""
         if self._terminated:
             return True
+        ahead = self._ahead if self._tried is None else None
+        if ahead is not None:
+            return ahead[1]
         self._settle()
         return bool(self._m.is_accepting())
+
+    def only_stop_next(self) -> bool:
+        """True when the text is complete and llguidance allows no more of it (it has stopped):
+        the mask would allow the stop tokens alone."""
+        if self._terminated:
+            return False
+        ahead = self._ahead if self._tried is None else None
+        if ahead is not None:
+            return ahead[1] and ahead[2]
+        self._settle()
+        m = self._m
+        return bool(m.is_accepting() and m.is_stopped() and not m.is_error())
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted at a point where the grammar may end."""

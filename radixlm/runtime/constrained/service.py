@@ -17,6 +17,7 @@ from radixlm.runtime.constrained.compile_pool import CompilePool
 from radixlm.runtime.constrained.grammar import Grammar, GrammarConfig, normalize_spec
 from radixlm.runtime.constrained.jump_forward import JumpForward
 from radixlm.runtime.constrained.limits import SpecLimits, check_spec
+from radixlm.runtime.constrained.pre_tokens import split_rule
 from radixlm.runtime.constrained.registry import check_grammar_backend, make_grammar_backend
 from radixlm.runtime.constrained.tokenizer_info import build_tokenizer_vocab
 
@@ -71,7 +72,8 @@ class GrammarService:
         self.config = config
         self.vocab = build_tokenizer_vocab(tokenizer, vocab_size, stop_ids)
         self.backend = make_grammar_backend(config.grammar_backend, self.vocab, grammar_config(config))
-        self.jump_forward = JumpForward(self.vocab, text_encoder(tokenizer, self.vocab.hf_json))
+        encode = text_encoder(tokenizer, self.vocab.hf_json)
+        self.jump_forward = JumpForward(self.vocab, encode, split=split_rule(self.vocab.hf_json, encode))
         self._pool = CompilePool(config.grammar_compile_workers, config.grammar_compile_timeout, self._timed_out)
 
     def submit(self, kind: str, spec: Any) -> Future[Grammar]:

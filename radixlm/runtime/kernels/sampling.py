@@ -114,6 +114,12 @@ class SamplingBatch:
     bias_tokens: torch.Tensor | None = None  # (L,) int64
     bias_values: torch.Tensor | None = None  # (L,) fp32
 
+    @property
+    def raw_argmax(self) -> bool:
+        """Whether every row's token is the argmax of its logits as they are: all rows greedy,
+        nothing added, blocked or penalized."""
+        return self.all_greedy and not self.need_penalties and self.block_rows is None and self.bias_rows is None
+
     @classmethod
     def build(
         cls,
@@ -393,7 +399,7 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         raise ValueError(
             f"logits have {logits.shape[1]} columns, the batch was built for {batch.vocab_size}"
         )
-    if not batch.need_penalties and batch.block_rows is None and batch.bias_rows is None and batch.all_greedy:
+    if batch.raw_argmax:
         # Fast path: argmax is exact in the input dtype, no cast needed.
         return row_argmax(logits)
     x = apply_penalties_and_blocks(logits, batch)

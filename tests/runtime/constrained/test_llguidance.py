@@ -4,6 +4,7 @@ errors, and the schema rules it needs (radixlm/runtime/constrained/llguidance_ba
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from radixlm.runtime.constrained.llguidance_backend import (
     prepare_schema,
     refers_to_special_tokens,
 )
+from radixlm.runtime.constrained.pre_tokens import split_rule
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema
 
 ORDER = {
@@ -298,6 +300,109 @@ def test_a_held_back_token_the_grammar_leaves_no_choice_to_joins_the_jump(smol_t
     jump = jf.jump(m, start, 0, 100)
     assert jump.text == '"v' and m.forced_text() == '":'
     assert m.accept(vocab.decoded.index(b'":"'))  # the model may still take the longer token
+
+
+def test_a_split_rule_re_tokenizes_only_after_the_last_split(smol_tokenizer, llg, vocab):
+    """With the tokenizer's split rule, the tokens before the last split stay as the model wrote
+    them ("Al" + "ice", where the tokenizer writes "Alice"), only the text after it is
+    re-tokenized, and its tokens are kept for the next jump over the same text."""
+    rust = smol_tokenizer.backend_tokenizer
+    asked: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        asked.append(text)
+        return list(rust.encode(text, add_special_tokens=False).ids)
+
+    split = split_rule(vocab.hf_json, encode)
+    assert split is not None
+    head = _ids(smol_tokenizer, '{"id":5,"customer":{"name":"')
+    out = head + _ids(smol_tokenizer, "Al") + _ids(smol_tokenizer, "ice") + _ids(smol_tokenizer, '"}')
+    split_jf = JumpForward(vocab, encode, split=split)
+    jumps = []
+    for jf in (JumpForward(vocab, encode), split_jf, split_jf):
+        m = llg.compile("json_schema", ORDER).new_matcher()
+        assert _feed(m, out) is None
+        asked.clear()
+        jump = jf.jump(m, out, 0, 100)
+        jumps.append((jump, list(asked)))
+        ids = out[:jump.keep] + list(jump.new_ids)
+        assert b"".join(vocab.decoded[t] for t in ids).decode() + m.forced_text() == \
+            '{"id":5,"customer":{"name":"Alice"},"status":"'
+    (whole, _), (after_split, asked_split), (again, asked_again) = jumps
+    assert whole.keep <= len(head)  # the window's re-tokenizing rewrote "Al" + "ice"
+    assert after_split.keep >= len(head) + 2  # the split ('e' | '"') keeps them
+    assert asked_split == ['"},"status":"'] and asked_again == []  # kept: no encode the second time
+    assert again == after_split
+
+
+def test_a_split_rule_changes_nothing_where_the_model_wrote_canonical_tokens(smol_tokenizer, llg, vocab):
+    encode = lambda text: smol_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    split = split_rule(vocab.hf_json, encode)
+    for prefix in ('{"id":5,"customer":{"name":"x"}', '{"id":5,"customer":{"name":"Alice Bo"},"status":"paid"',
+                   '{"id":17'):
+        out = _ids(smol_tokenizer, prefix)
+        results = []
+        for jf in (JumpForward(vocab, encode), JumpForward(vocab, encode, split=split)):
+            m = llg.compile("json_schema", ORDER).new_matcher()
+            assert _feed(m, out) is None
+            jump = jf.jump(m, out, 0, 100)
+            results.append(None if jump is None else (out[:jump.keep] + list(jump.new_ids), jump.text,
+                                                      m.forced_text()))
+        assert results[0] == results[1], prefix
+
+
+def test_only_stop_next(smol_tokenizer, llg):
+    """True where the text is complete and nothing more of it may follow; False where more may
+    (a regex's "a+"), before the end, and after a rollback."""
+    done = '{"id":3,"customer":{"name":"Al"},"status":"paid","items":[]}'
+    m = llg.compile("json_schema", ORDER).new_matcher()
+    ids = _ids(smol_tokenizer, done)
+    assert _feed(m, ids[:-1]) is None and not m.only_stop_next()
+    assert m.allows(ids[-1]) and m.accept(ids[-1]) and m.only_stop_next()
+    m.rollback(1)
+    assert not m.only_stop_next()
+    assert m.accept(ids[-1]) and m.only_stop_next() and m.accept(smol_tokenizer.eos_token_id)
+    assert m.is_terminated() and not m.only_stop_next()
+    more = llg.compile("regex", "a+").new_matcher()
+    assert _feed(more, _ids(smol_tokenizer, "aaa")) is None
+    assert more.is_completed() and not more.only_stop_next()
+    choice = llg.compile("choices", ["yes", "yesterday"]).new_matcher()
+    assert _feed(choice, _ids(smol_tokenizer, "yes")) is None and not choice.only_stop_next()
+
+
+def test_answers_after_a_test_are_those_of_a_fresh_matcher(smol_tokenizer, llg):
+    """``allows`` answers the next questions ahead (forced text, complete, only a stop next);
+    through any order of tests, accepts, rollbacks and runs the answers stay those of a matcher fed
+    the accepted tokens afresh."""
+    text = '{"id":12,"customer":{"name":"Bo"},"status":"paid","items":["x","y"]}'
+    ids = _ids(smol_tokenizer, text)
+    other = _ids(smol_tokenizer, 'zz"}]')
+    rng = random.Random(0)
+    grammar = llg.compile("json_schema", ORDER)
+    m, taken = grammar.new_matcher(), 0
+    for _ in range(300):
+        op = rng.choice(["test and accept", "accept", "test another", "rollback", "run"])
+        if op == "test and accept" and taken < len(ids):
+            assert m.allows(ids[taken]) and m.accept(ids[taken])
+            taken += 1
+        elif op == "accept" and taken < len(ids):
+            assert m.accept(ids[taken])
+            taken += 1
+        elif op == "test another":
+            m.allows(rng.choice(other + ids))
+        elif op == "rollback" and taken:
+            n = rng.randint(1, min(taken, 4))
+            m.rollback(n)
+            taken -= n
+        elif op == "run":
+            n = min(rng.randint(1, 4), len(ids) - taken)
+            assert m.accept_many(ids[taken:taken + n]) == n
+            taken += n
+        fresh = grammar.new_matcher()
+        assert _feed(fresh, ids[:taken]) is None
+        assert (m.forced_text(), m.is_completed(), m.only_stop_next()) == \
+            (fresh.forced_text(), fresh.is_completed(), fresh.only_stop_next()), (op, taken)
+    assert taken > 0
 
 
 def test_a_jump_short_of_min_gain_is_not_taken(smol_tokenizer, llg, vocab):

@@ -63,7 +63,7 @@ def _strip(out: dict) -> tuple:
 def test_outputs_equal_the_mask_first_engine(engines, jump_forward):
     lazy, eager = engines
     prompts, params = _batch(jump_forward)
-    skipped = lazy.core.grammar.masks_skipped
+    skipped, next_best = lazy.core.grammar.masks_skipped, lazy.core.grammar.next_best
     got = [_strip(o) for o in lazy.generate(prompts, params)]
     ref = [_strip(o) for o in eager.generate(prompts, params)]
     greedy = [i for i, p in enumerate(params) if p["temperature"] == 0]
@@ -78,6 +78,8 @@ def test_outputs_equal_the_mask_first_engine(engines, jump_forward):
     assert eager.core.grammar.masks_skipped == 0
     alone = [_strip(lazy.generate(p, q)) for p, q in zip(prompts[:4], params[:4])]
     assert alone == ref[:4]
+    # refused draws that took a next-best token without a mask (greedy batches only: alone here)
+    assert lazy.core.grammar.next_best > next_best
     lazy.core.check_idle_integrity()
 
 
