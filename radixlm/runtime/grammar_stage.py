@@ -11,8 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,8 +33,7 @@ PHASES = ("mask", "test", "accept", "after_token")
 NEXT_BEST_TRIES = 8
 
 
-@dataclass(frozen=True)
-class GrammarStep:
+class GrammarStep(NamedTuple):
     """What the grammar made of a sampled token: the jump over forced text (or None), and
     whether the output is complete with nothing but a stop token allowed next."""
 

@@ -31,6 +31,7 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from radixlm.runtime.constrained.grammar import GrammarMatcher, accept_run
 from radixlm.runtime.constrained.pre_tokens import SplitRule
@@ -50,9 +51,9 @@ MAX_EXTENSION_TESTS = 16
 MAX_KEPT_TEXTS = 4096
 
 
-@dataclass(frozen=True)
-class Jump:
-    """Output tokens ``[0, keep)`` stay; ``new_ids`` replace the rest; ``text`` is what they add."""
+class Jump(NamedTuple):
+    """Output tokens ``[0, keep)`` stay; ``new_ids`` replace the rest; ``text`` is what they add.
+    (A named tuple: made on the step's path, where a frozen dataclass costs several µs cold.)"""
 
     keep: int
     new_ids: tuple[int, ...]
@@ -95,7 +96,8 @@ class JumpForward:
         self.encode = encode
         self.window = window
         self.split = split
-        self._kept: dict[str, tuple[int, ...] | None] = {}  # text -> its tokens (None: they would not spell it)
+        # text -> its tokens and their bytes (None: they would not spell it)
+        self._kept: dict[str, tuple[tuple[int, ...], tuple[bytes, ...]] | None] = {}
         # the text tokens sorted by their bytes: those starting with some bytes are one run of it
         order = sorted((b, t) for t, b in enumerate(vocab.decoded) if b)
         self._sorted_bytes = [b for b, _ in order]
@@ -163,13 +165,14 @@ class JumpForward:
             right = text[0]
         return None
 
-    def _tokens(self, text: str) -> tuple[int, ...] | None:
-        """``text``'s tokens, kept for the next time; None when they would not spell it (the
-        tokenizer normalized the text)."""
+    def _tokens(self, text: str) -> tuple[tuple[int, ...], tuple[bytes, ...]] | None:
+        """``text``'s tokens and their bytes, kept for the next time; None when they would not
+        spell it (the tokenizer normalized the text)."""
         if text in self._kept:
             return self._kept[text]
         ids = tuple(self.encode(text))
-        got = ids if b"".join(self.vocab.decoded[t] for t in ids) == text.encode("utf-8") else None
+        pieces = tuple(self.vocab.decoded[t] for t in ids)
+        got = (ids, pieces) if b"".join(pieces) == text.encode("utf-8") else None
         if len(self._kept) >= MAX_KEPT_TEXTS:
             self._kept.clear()
         self._kept[text] = got
@@ -197,15 +200,15 @@ class JumpForward:
         if start is None:
             start = self._window_start(output_ids, floor)
         old = list(output_ids[start:])
+        old_bytes = b"".join(dec[t] for t in old) if old else b""
         try:
-            old_text = b"".join(dec[t] for t in old).decode("utf-8")
+            old_text = old_bytes.decode("utf-8")
         except UnicodeDecodeError:  # the output ends inside a character
             return None
-        old_bytes = old_text.encode("utf-8")
-        new = self._tokens(old_text + forced)
-        if new is None:
+        tokens = self._tokens(old_text + forced)
+        if tokens is None:
             return None  # the tokenizer normalized the text: its tokens would not spell it
-        pieces = [dec[t] for t in new]
+        new, pieces = tokens
         n = min(len(new), limit - start)
         held = n == len(new) > 0 and bool(self._extendable[new[-1]])  # a longer token starts with it
         if held:
@@ -231,4 +234,4 @@ class JumpForward:
             ok = accept_run(matcher, old[common:]) == len(old) - common
             assert ok, "re-accepting the tokens the matcher accepted before failed"
             return None
-        return Jump(start + common, tuple(new[common:n]), text)
+        return Jump(start + common, new[common:n], text)

@@ -437,7 +437,7 @@ class LLGuidanceMatcher:
             if m.is_error():
                 self._ahead = None  # forced_text asks again, and reports the error
             return True
-        if self._m.is_error() and not self._dead_end():
+        if m.is_error() and not self._dead_end():
             raise self._failure()
         return False
 
