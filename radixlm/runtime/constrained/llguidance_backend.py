@@ -433,7 +433,8 @@ class LLGuidanceMatcher:
         if m.try_consume_tokens([token]) == 1:
             self._tried = token
             # what the next calls will ask, while llguidance's tables are in the cache
-            self._ahead = (m.compute_ff_bytes(), bool(m.is_accepting()), bool(m.is_stopped()))
+            accepting = bool(m.is_accepting())
+            self._ahead = (m.compute_ff_bytes(), accepting, accepting and bool(m.is_stopped()))
             if m.is_error():
                 self._ahead = None  # forced_text asks again, and reports the error
             return True
