@@ -188,7 +188,8 @@ class GrammarStage:
         in turn; the first the grammar allows is the masked row's argmax. None (the row is masked)
         when none of the next ``NEXT_BEST_TRIES`` is allowed, or one of them is a stop token,
         whose test cannot say, or every logit left is -inf. ``row`` is left as it was."""
-        x = row.numpy() if row.dtype == torch.float32 else row.float().numpy()
+        on_host = row.device.type == "cpu" and row.dtype == torch.float32
+        x = row.numpy() if on_host else row.float().cpu().numpy()  # (a copy: nothing to put back)
         stops = self.service.vocab.stop_ids
         hidden = [(refused, float(x[refused]))]
         x[refused] = -np.inf

@@ -48,16 +48,17 @@ def _token(smol_tokenizer, text: str) -> int:
     return ids[0]
 
 
-def test_a_refused_draw_takes_the_best_allowed_token(stage, smol_tokenizer, width):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_refused_draw_takes_the_best_allowed_token(stage, smol_tokenizer, width, dtype):
     m = _matcher(stage, smol_tokenizer, '{"name":"Bo","age":')  # an integer next
-    logits = torch.zeros(1, width)
+    logits = torch.zeros(1, width, dtype=dtype)
     letters, seven, three = _token(smol_tokenizer, "abc"), _token(smol_tokenizer, "7"), _token(smol_tokenizer, "3")
     logits[0, letters], logits[0, seven], logits[0, three] = 9.0, 5.0, 5.0  # a tie: the lower id wins, as argmax
     before = logits.clone()
     tokens = [letters]
     redo, picked = stage.rejected([SimpleNamespace(matcher=m)], tokens, [0], logits)
     assert (redo, picked) == ([], [0]) and tokens == [min(seven, three)]
-    assert tokens[0] == _masked_argmax(stage, m, before[0])
+    assert tokens[0] == _masked_argmax(stage, m, before[0].float())
     assert torch.equal(logits, before)
     assert m.accept(tokens[0])  # the token the test took is the one accepted next
 
