@@ -1,6 +1,7 @@
 """GrammarStage: the constrained-decoding phase of a step.
 
-It compiles each new request's constraint off the step loop, masks the logits of a step's
+It builds the grammar service on the first constrained request and compiles each new request's
+constraint, both off the step loop (running requests keep stepping), masks the logits of a step's
 constrained rows (one bitmask fill per row and step), accepts the sampled tokens and plans the
 jump over forced text. A failing grammar engine fails its own request, never the step.
 """
@@ -8,6 +9,7 @@ jump over forced text. A failing grammar engine fails its own request, never the
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -20,7 +22,7 @@ from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
 from radixlm.runtime.constrained.grammar import Grammar, accept_tokens, fill_masks
 from radixlm.runtime.constrained.jump_forward import Jump
-from radixlm.runtime.constrained.service import ERROR_PREFIX, GrammarService
+from radixlm.runtime.constrained.service import ERROR_PREFIX, GrammarService, check_constraint
 from radixlm.runtime.request import EngineRequest
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ class GrammarStage:
     def __init__(self, make_service: Callable[[], GrammarService], vocab_size: int, config: ConstraintConfig) -> None:
         self._make_service = make_service
         self._service: GrammarService | None = None
+        self._building: Future[GrammarService] | None = None
+        self._awaiting: dict[str, EngineRequest] = {}  # constrained requests waiting for the service
         self.vocab_size = vocab_size
         self.config = config
         self._compiling: dict[str, tuple[EngineRequest, Future[Grammar]]] = {}
@@ -63,37 +67,85 @@ class GrammarStage:
 
     @property
     def service(self) -> GrammarService:
-        """The grammar service, built on the first constrained request."""
+        """The grammar service (waited for while it is being built); its build's error if it failed."""
         if self._service is None:
-            self._service = self._make_service()
+            self._service = self._build().result()
         return self._service
+
+    def _build(self) -> Future[GrammarService]:
+        """The service's build, started in a thread of its own on first use: it describes the
+        tokenizer to the grammar engine (~1 s for the default model on a 2-core CPU), which on the
+        step loop would stall every running request."""
+        if self._building is None:
+            building: Future[GrammarService] = Future()
+
+            def build() -> None:
+                try:
+                    building.set_result(self._make_service())
+                except BaseException as e:  # noqa: BLE001 - reported to each request that waits for it
+                    building.set_exception(e)
+
+            self._building = building
+            threading.Thread(target=build, name="grammar-service", daemon=True).start()
+        return self._building
 
     # -- compiling ---------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> None:
-        """Start compiling req's constraint; a malformed spec raises ValueError here."""
+        """Start compiling req's constraint (once the service is built); a malformed spec raises
+        ValueError here."""
         constraint = req.params.constraint
         assert constraint is not None
-        self._compiling[req.rid] = (req, self.service.submit(*constraint))
+        if self._service is None:
+            check_constraint(*constraint, self.config)
+            self._build()
+            self._awaiting[req.rid] = req
+            return
+        self._compiling[req.rid] = (req, self._service.submit(*constraint))
 
     @property
     def compiling(self) -> bool:
-        return bool(self._compiling)
+        return bool(self._compiling or self._awaiting)
 
     def cancel(self, rid: str) -> bool:
         """Forget a request still compiling; True if it was."""
+        if self._awaiting.pop(rid, None) is not None:
+            return True
         entry = self._compiling.pop(rid, None)
         if entry is None:
             return False
         entry[1].cancel()
         return True
 
+    def _start_awaiting(self, idle: bool) -> list[tuple[EngineRequest, str]]:
+        """Once the service is built, start compiling the requests that waited for it; those
+        that cannot be, with the error (the build's, if it failed)."""
+        building = self._build()
+        if idle and not self._compiling:
+            wait([building], timeout=COMPILE_WAIT_S)
+        if not building.done():
+            return []
+        waiting, self._awaiting = list(self._awaiting.values()), {}
+        try:
+            service = self.service
+        except Exception as e:  # noqa: BLE001 - each waiting request fails with it, not the step
+            log.exception("building the grammar service failed")
+            message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            return [(req, f"{ERROR_PREFIX} {message}") for req in waiting]
+        failed = []
+        for req in waiting:
+            try:
+                self._compiling[req.rid] = (req, service.submit(*req.params.constraint))  # type: ignore[misc]
+            except ValueError as e:
+                failed.append((req, str(e)))
+        return failed
+
     def ready(self, idle: bool) -> tuple[list[EngineRequest], list[tuple[EngineRequest, str]]]:
         """Requests whose grammar compiled (with their matcher set), and those whose compile
         failed (with the error). ``idle``: nothing else to run, so wait a little for one."""
+        failed = self._start_awaiting(idle) if self._awaiting else []
         if idle and self._compiling:
             wait([f for _, f in self._compiling.values()], timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
         done: list[EngineRequest] = []
-        failed: list[tuple[EngineRequest, str]] = []
         for rid, (req, future) in list(self._compiling.items()):
             if not future.done():
                 continue
@@ -290,6 +342,9 @@ class GrammarStage:
         return f"{ERROR_PREFIX} the grammar engine failed while {what} ({type(e).__name__}: {e})"
 
     def shutdown(self) -> None:
+        building = self._building
+        if self._service is None and building is not None and building.done() and building.exception() is None:
+            self._service = building.result()
         if self._service is not None:
             self._service.shutdown()
 

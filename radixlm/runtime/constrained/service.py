@@ -21,7 +21,7 @@ from radixlm.runtime.constrained.pre_tokens import split_rule
 from radixlm.runtime.constrained.registry import check_grammar_backend, make_grammar_backend
 from radixlm.runtime.constrained.tokenizer_info import build_tokenizer_vocab
 
-__all__ = ["ERROR_PREFIX", "GrammarService", "grammar_config", "text_encoder"]
+__all__ = ["ERROR_PREFIX", "GrammarService", "check_constraint", "grammar_config", "text_encoder"]
 
 ERROR_PREFIX = "constrained decoding:"
 
@@ -40,6 +40,25 @@ def grammar_config(config: ConstraintConfig) -> GrammarConfig:
         limits=SpecLimits(config.grammar_max_bytes, config.grammar_max_nesting, config.grammar_max_enum,
                           config.grammar_max_repeat),
     )
+
+
+def check_constraint(kind: str, spec: Any, config: ConstraintConfig) -> None:
+    """What is checked of a constraint before any compile, as ``GrammarService.submit`` checks it:
+    ValueError unless the grammar backend is installed and the spec is well formed and within the
+    limits (the message starts with ``constrained decoding:``)."""
+    try:
+        check_grammar_backend(config.grammar_backend)
+    except ValueError as e:
+        raise ValueError(f"{ERROR_PREFIX} {e}") from None
+    _checked(kind, spec, grammar_config(config).limits)
+
+
+def _checked(kind: str, spec: Any, limits: SpecLimits) -> None:
+    try:
+        _, norm = normalize_spec(kind, spec)
+        check_spec(kind, norm, limits)
+    except ValueError as e:
+        raise ValueError(f"{ERROR_PREFIX} {e}") from None
 
 
 # texts on which the Rust tokenizer must agree with the tokenizer's own encode before it stands in
@@ -81,11 +100,7 @@ class GrammarService:
         overlong compile in the future.
 
         Both messages start with ``constrained decoding:`` so servers can name the field."""
-        try:
-            _, norm = normalize_spec(kind, spec)
-            check_spec(kind, norm, self.backend.config.limits)
-        except ValueError as e:
-            raise ValueError(f"{ERROR_PREFIX} {e}") from None
+        _checked(kind, spec, self.backend.config.limits)
         known: Future[Grammar] = Future()
         try:
             grammar = self.backend.cached(kind, spec)

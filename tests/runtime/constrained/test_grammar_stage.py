@@ -1,10 +1,12 @@
-"""A greedy row whose drawn token its grammar refuses tries its next-best tokens before a mask
-(GrammarStage.rejected): the token it takes is the masked row's argmax, ties included; a stop token
-among them, or none allowed, leaves the row to its mask; the logits stay as they were."""
+"""The grammar stage (radixlm/runtime/grammar_stage.py). A greedy row whose drawn token its grammar
+refuses tries its next-best tokens before a mask (GrammarStage.rejected): the token it takes is the
+masked row's argmax, ties included; a stop token among them, or none allowed, leaves the row to its
+mask; the logits stay as they were. The grammar service is built off the step loop."""
 
 from __future__ import annotations
 
 import random
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -106,3 +108,63 @@ def test_next_best_equals_the_masked_argmax_on_random_rows(stage, smol_tokenizer
         elif not redo:
             assert drawn == expect  # allowed as drawn
     assert took >= 10
+
+
+# --- the service is built off the step loop ----------------------------------------------------
+
+
+def _pending(rid: str, spec) -> SimpleNamespace:
+    return SimpleNamespace(rid=rid, params=SimpleNamespace(constraint=("json_schema", spec)), matcher=None)
+
+
+def _drain(stage, want: int) -> tuple[list, list]:
+    done, failed = [], []
+    for _ in range(400):  # (each idle call waits at most COMPILE_WAIT_S)
+        got, bad = stage.ready(idle=True)
+        done += got
+        failed += bad
+        if len(done) + len(failed) >= want:
+            break
+    return done, failed
+
+
+def test_the_service_is_built_off_the_step_loop(smol_tokenizer, width):
+    """The first constrained request starts the service's build in a thread and returns at once:
+    while it builds, the step loop's calls answer without waiting; a malformed spec is still a
+    ValueError at once; the waiting requests compile once it is built."""
+    config = ConstraintConfig()
+    release = threading.Event()
+
+    def make() -> GrammarService:
+        assert release.wait(60)
+        return GrammarService(smol_tokenizer, width, [smol_tokenizer.eos_token_id], config)
+
+    stage = GrammarStage(make, width, config)
+    first, second = _pending("a", PERSON), _pending("b", PERSON)
+    stage.submit(first)
+    stage.submit(second)
+    assert stage.compiling and stage.ready(idle=False) == ([], [])
+    with pytest.raises(ValueError, match="constrained decoding"):
+        stage.submit(_pending("c", "{not json"))
+    assert stage.cancel("b") and not stage.cancel("b")
+    release.set()
+    done, failed = _drain(stage, 1)
+    assert done == [first] and failed == [] and first.matcher is not None and not stage.compiling
+    assert first.matcher.accept(_ids(smol_tokenizer, "{")[0])
+    stage.shutdown()
+
+
+def test_a_failed_build_fails_the_waiting_requests(width):
+    def make() -> GrammarService:
+        raise ValueError("the grammar engine cannot read this tokenizer")
+
+    stage = GrammarStage(make, width, ConstraintConfig())
+    waiting = [_pending("a", PERSON), _pending("b", PERSON)]
+    for req in waiting:
+        stage.submit(req)
+    done, failed = _drain(stage, 2)
+    assert done == [] and [r for r, _ in failed] == waiting
+    assert all(m == "constrained decoding: the grammar engine cannot read this tokenizer" for _, m in failed)
+    with pytest.raises(ValueError, match="cannot read"):
+        stage.service  # noqa: B018
+    stage.shutdown()
