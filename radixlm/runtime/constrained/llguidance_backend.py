@@ -332,13 +332,12 @@ class LLGuidanceMatcher:
     ``allows`` tests a token by taking it (one call into llguidance, not two, since the token it
     allows is nearly always the one accepted next): the token stays taken, unseen, until
     ``accept`` of the same token keeps it; any other call first gives it back (``_settle``).
-    Having taken it, ``allows`` also asks llguidance for the forced text and whether the text is
-    complete after it (``_ahead``): the questions that follow an accepted token, answered while
-    llguidance's tables are still in the cache (asked later, after the Python between, each is a
-    cold call of its own). Any change of state but that ``accept`` drops the answers."""
+    (Asking llguidance, while it was warm from the test, what the next calls would ask, the forced
+    text and whether the text is complete, cost the test more than it spared them: measured
+    2026-11-28, docs/benchmarks.md, "Fewer cold calls a step".)"""
 
     __slots__ = ("_m", "_executor", "vocab_size", "_decoded", "_stops", "_eos", "_extra_stops", "_accepted",
-                 "_terminated", "_tried", "_ahead")
+                 "_terminated", "_tried")
 
     def __init__(self, matcher: Any, executor: Any, vocab: TokenizerVocab) -> None:
         self._m = matcher
@@ -351,13 +350,11 @@ class LLGuidanceMatcher:
         self._accepted = 0
         self._terminated = False
         self._tried: int | None = None  # the token ``allows`` took ahead of its ``accept``
-        self._ahead: tuple[bytes, bool, bool] | None = None  # forced bytes, accepting, stopped
 
     def _settle(self) -> None:
         """Give back a token ``allows`` took that no ``accept`` kept."""
         if self._tried is not None:
             self._tried = None
-            self._ahead = None
             if not self._m.rollback(1):
                 raise RuntimeError(f"llguidance: rollback failed: {_clean_error(self._m.get_error())}")
 
@@ -432,11 +429,6 @@ class LLGuidanceMatcher:
         m = self._m
         if m.try_consume_tokens([token]) == 1:
             self._tried = token
-            # what the next calls will ask, while llguidance's tables are in the cache
-            accepting = bool(m.is_accepting())
-            self._ahead = (m.compute_ff_bytes(), accepting, accepting and bool(m.is_stopped()))
-            if m.is_error():
-                self._ahead = None  # forced_text asks again, and reports the error
             return True
         if m.is_error() and not self._dead_end():
             raise self._failure()
@@ -450,7 +442,6 @@ class LLGuidanceMatcher:
             self._accepted += 1
             return True
         self._settle()
-        self._ahead = None
         if self._terminated or not 0 <= token < self.vocab_size:
             return False
         if token in self._stops:
@@ -468,7 +459,6 @@ class LLGuidanceMatcher:
         """Advance over ``tokens`` in order, in one call into llguidance, until the grammar
         refuses one; how many it took."""
         self._settle()
-        self._ahead = None
         ids = [int(t) for t in tokens]
         if self._terminated or any(not 0 <= t < self.vocab_size or t in self._stops or not self._decoded[t]
                                    for t in ids):
@@ -500,7 +490,6 @@ class LLGuidanceMatcher:
         if n == 0:
             return
         self._settle()
-        self._ahead = None
         self._accepted -= n
         if self._terminated:
             self._terminated = False
@@ -513,16 +502,13 @@ class LLGuidanceMatcher:
         ends inside a character), at most ``max_chars`` characters."""
         if self._terminated or max_chars == 0:
             return ""
-        ahead = self._ahead if self._tried is None else None
-        if ahead is not None:
-            forced = ahead[0]
-        else:
+        if self._tried is not None:  # (asked after every token: no call where nothing is to settle)
             self._settle()
-            forced = self._m.compute_ff_bytes()
-            if self._m.is_error():
-                if self._dead_end():
-                    return ""
-                raise self._failure()
+        forced = self._m.compute_ff_bytes()
+        if self._m.is_error():
+            if self._dead_end():
+                return ""
+            raise self._failure()
         if not forced:
             return ""
         text = _utf8_prefix(forced)
@@ -532,10 +518,8 @@ class LLGuidanceMatcher:
         """True once the text so far is a complete match (a stop token may follow)."""
         if self._terminated:
             return True
-        ahead = self._ahead if self._tried is None else None
-        if ahead is not None:
-            return ahead[1]
-        self._settle()
+        if self._tried is not None:
+            self._settle()
         return bool(self._m.is_accepting())
 
     def only_stop_next(self) -> bool:
@@ -543,9 +527,6 @@ class LLGuidanceMatcher:
         the mask would allow the stop tokens alone."""
         if self._terminated:
             return False
-        ahead = self._ahead if self._tried is None else None
-        if ahead is not None:
-            return ahead[1] and ahead[2]
         self._settle()
         m = self._m
         return bool(m.is_accepting() and m.is_stopped() and not m.is_error())

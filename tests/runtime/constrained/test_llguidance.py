@@ -371,9 +371,9 @@ def test_only_stop_next(smol_tokenizer, llg):
 
 
 def test_answers_after_a_test_are_those_of_a_fresh_matcher(smol_tokenizer, llg):
-    """``allows`` answers the next questions ahead (forced text, complete, only a stop next);
-    through any order of tests, accepts, rollbacks and runs the answers stay those of a matcher fed
-    the accepted tokens afresh."""
+    """``allows`` takes the token it tests; through any order of tests, accepts, rollbacks and
+    runs, the answers (forced text, complete, only a stop next) stay those of a matcher fed the
+    accepted tokens afresh."""
     text = '{"id":12,"customer":{"name":"Bo"},"status":"paid","items":["x","y"]}'
     ids = _ids(smol_tokenizer, text)
     other = _ids(smol_tokenizer, 'zz"}]')
