@@ -21,7 +21,7 @@ import torch
 from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
 from radixlm.runtime.constrained.grammar import Grammar, accept_tokens, fill_masks
-from radixlm.runtime.constrained.jump_forward import Jump
+from radixlm.runtime.constrained.jump_forward import MAX_JUMP_CHARS, Jump
 from radixlm.runtime.constrained.service import ERROR_PREFIX, GrammarService, check_constraint
 from radixlm.runtime.request import EngineRequest
 
@@ -285,9 +285,10 @@ class GrammarStage:
         assert matcher is not None
         t0 = time.perf_counter()
         step = _NOTHING
-        # (most tokens force nothing: asking that first spares planning a jump)
-        if req.jump_forward and min_gain is not None and matcher.forced_text(1):
-            planned = self.service.jump_forward.jump(matcher, req.output_ids, floor, limit, min_gain)
+        # the forced text, asked once: most tokens force nothing, and then no jump is planned
+        forced = matcher.forced_text(MAX_JUMP_CHARS) if req.jump_forward and min_gain is not None else ""
+        if forced and min_gain is not None:
+            planned = self.service.jump_forward.jump(matcher, req.output_ids, floor, limit, min_gain, forced)
             if planned is not None:
                 step = GrammarStep(planned, False)
         if matcher.is_completed():

@@ -179,7 +179,7 @@ class JumpForward:
         return got
 
     def jump(self, matcher: GrammarMatcher, output_ids: Sequence[int], floor: int, limit: int,
-             min_gain: int = 1) -> Jump | None:
+             min_gain: int = 1, forced: str | None = None) -> Jump | None:
         """Advance ``matcher`` over the forced text and return the token change, or None (no change).
 
         ``output_ids`` are all output tokens, every one accepted by ``matcher``; tokens before
@@ -188,11 +188,13 @@ class JumpForward:
 
         The forced text asked of the matcher is bounded by what ``limit`` can still hold (tokens
         times the longest token's bytes) and by ``MAX_JUMP_CHARS``; grammars whose forced text is
-        endless are refused when they compile (``limits.grammar_bounds``)."""
+        endless are refused when they compile (``limits.grammar_bounds``). ``forced``: the forced
+        text, where the caller has asked the matcher for it already (the bound then cuts it)."""
         room = limit - len(output_ids)
         if room < max(min_gain, 1):
             return None
-        forced = matcher.forced_text(min(room * self._max_token_bytes, MAX_JUMP_CHARS))
+        bound = min(room * self._max_token_bytes, MAX_JUMP_CHARS)
+        forced = matcher.forced_text(bound) if forced is None else forced[:bound]
         if not forced or len(forced.encode("utf-8")) < min_gain:
             return None  # (each token spells a byte at least: too few bytes for min_gain, no need to re-tokenize)
         dec = self.vocab.decoded
