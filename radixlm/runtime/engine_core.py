@@ -292,7 +292,7 @@ class EngineCore:
             jump_forward=params.jump_forward and self.config.constraint.jump_forward,
             program=sub.program,
         )
-        self.scheduler.validate(req)
+        self.scheduler.arrive(req)  # its place in line, kept while its grammar compiles
         if params.constraint is not None:
             self.grammar.submit(req)  # joins the scheduler once compiled
         else:

@@ -58,7 +58,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     matched_stop: str | int | None = None  # the stop string or token that ended the output
-    arrival: int = 0
+    arrival: int = -1  # its place in line: the order requests reached the scheduler (-1: not yet)
     # KV bookkeeping, owned by the scheduler
     row: int = -1
     slots: list[int] = field(default_factory=list)

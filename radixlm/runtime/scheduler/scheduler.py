@@ -97,10 +97,18 @@ class Scheduler:
         self._steps = 0
 
     # -- requests in and out -------------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def arrive(self, req: Request) -> None:
+        """Validate req and give it its place in line, now: a request that first compiles its
+        grammar joins the queue later (``add``) but keeps the place it took when it came, so first
+        come, first served (and the order new programs start in) goes by when requests came."""
         self.validate(req)
         req.arrival = self._arrivals
         self._arrivals += 1
+
+    def add(self, req: Request) -> None:
+        """Queue req (given its place in line here unless ``arrive`` gave it one)."""
+        if req.arrival < 0:
+            self.arrive(req)
         req.status = Status.WAITING
         self.waiting.append(req)
         if req.program is not None and self.config.program_scheduling:

@@ -210,6 +210,22 @@ def test_abort_while_compiling(engine):
         assert all(o.rid != "compiling" for o in core.step())
 
 
+def test_a_compiling_request_keeps_its_place_in_line(engine):
+    """A constrained request joins the queue once its grammar compiled, after requests that came
+    later; first come, first served still counts it first (its place was taken when it came)."""
+    from radixlm.runtime.sampling_params import SamplingParams
+
+    core = engine.core
+    core.add_request(Submission("came-first", [1, 2, 3], SamplingParams(regex=r"[0-9]{2}-in-line", max_new_tokens=8)))
+    core.add_request(Submission("came-second", [4, 5, 6], SamplingParams(max_new_tokens=2)))
+    first, second = core.requests["came-first"], core.requests["came-second"]
+    assert first.arrival < second.arrival
+    while core.has_work:
+        core.step()
+    assert first.arrival < second.arrival  # (joining the queue did not renumber it)
+    assert first.output_ids and second.output_ids
+
+
 def test_unconstrained_rows_untouched_in_a_mixed_batch(engine):
     free = ("Once upon a time", {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True})
     alone = engine.generate(*free)

@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_sim import Sim, reference_output
 
-from radixlm.runtime.scheduler import ProgramTag
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler import ProgramTag, Request
 
 
 def psim(*args, **kwargs) -> Sim:
@@ -300,3 +301,19 @@ def test_program_tags_are_checked():
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad}")
+
+
+def test_a_request_keeps_its_place_in_line_while_it_waits_to_join():
+    """A request numbered when it came (``arrive``: a constrained request, whose grammar compiles
+    before it joins the queue) starts in that place: before new programs that came after it, though
+    they joined the queue first; under the cap on programs under way, the place decides who starts."""
+    for on in (True, False):
+        sim = psim(1000, policy="fcfs", max_running_requests=1, program_scheduling=on, program_active_cap=1)
+        late = Request("json", [9, 9, 9], SamplingParams(max_new_tokens=2), program=tag("J"))
+        sim.sched.arrive(late)  # came first; its grammar compiles
+        sim.add("chain", [1, 2, 3], 2, program=tag("C"))  # came second, joined the queue at once
+        sim.add("tot", [4, 5, 6], 2, program=tag("T"))
+        sim.sched.add(late)  # the compile is done
+        sim.requests["json"] = late
+        sim.run()
+        assert admission_order(sim) == ["json", "chain", "tot"], on
