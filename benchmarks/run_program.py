@@ -103,12 +103,14 @@ def json_fields(s, i: int, doc: int = 0):
 WORKLOADS = {"10-gen chain": chain, "tree-of-thought 3x3": tree_of_thought, "JSON 4 fields": json_fields}
 
 
-def start_server(args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(args: list[str], gpu: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A radixlm server on a free port (on GPU ``gpu`` alone, where given)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
     proc = subprocess.Popen([sys.executable, "-m", "radixlm.cli", "serve", "--port", str(port), *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -230,9 +232,12 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
     sends = arrival_times(args.programs, args.arrival_rate, args.seed)
     runs: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
     latencies: dict[str, list[list[float]]] = {"on": [], "off": []}  # per round, in the graphs' order
-    for _ in range(args.rounds):
-        servers = {mode: start_server(["--dtype", args.dtype, "--program-scheduling", mode,
-                                       *args.server_args.split()]) for mode in ("on", "off")}
+    for round_ in range(args.rounds):
+        gpus: list[str | None] = [*args.server_gpus.split(",")] if args.server_gpus else [None, None]
+        if round_ % 2:
+            gpus.reverse()  # the two modes swap GPUs every round, so a faster GPU favours neither
+        servers = {mode: start_server(["--dtype", args.dtype, "--program-scheduling", mode, *args.server_args.split()],
+                                      gpu) for mode, gpu in zip(("on", "off"), gpus)}
         try:
             urls = [url for _, url in servers.values()]
             asyncio.run(side_by_side(urls, graphs[:3], [0.0] * 3))  # warm-up: one program of each kind
@@ -298,7 +303,12 @@ def main() -> None:
     ap.add_argument("--doc-words", type=int, default=0,
                     help="--scheduling: each program opens with a document of its own of this many words (KV "
                          "pressure with a small --max-total-tokens in --server-args)")
+    ap.add_argument("--server-gpus", default="",
+                    help="--scheduling: two GPUs, one server on each, e.g. '0,1'; the modes swap GPUs every "
+                         "round (default: both servers share what they see and take turns on it)")
     args = ap.parse_args()
+    if args.server_gpus and len(args.server_gpus.split(",")) != 2:
+        ap.error(f"--server-gpus takes two GPUs, the on server's and the off server's, e.g. '0,1'; got {args.server_gpus!r}")
     if args.concurrency < 0 or (args.concurrency and args.arrival_rate):
         ap.error("--concurrency must be >= 0, and not given with --arrival-rate")
     if args.arrival_rate < 0:
