@@ -1,11 +1,13 @@
 """The CPU's block-quantized products, compiled at start by LLVM (the llvmlite wheel brings it, so a
 user's machine needs no compiler): 4-bit (GGUF Q4_1/Q4_0/Q4_K) and 8-bit (Q8_0) weight blocks
-times int8 activation blocks through AVX-512 VNNI, as llama.cpp multiplies at batch 1. torch's own
-int4 kernel converts each weight to a float and stays compute-bound (~16 GB/s on a Zen 4 core
-pair); these read the weights at the memory's speed. The IR and its layout: native_ir.py.
+times int8 activation blocks in integers, as llama.cpp multiplies at batch 1: through AVX-512
+VNNI where the processor has it with bf16, else through AVX2. torch's own int4 kernel converts
+each weight to a float and stays compute-bound (~16 GB/s on a Zen 4 core pair), and has no fast
+path for fp32 activations at all; these read the weights at the memory's speed. The IR and its
+layout: native_ir.py.
 
-`BlockProduct` holds one matrix in the kernels' layout and multiplies [rows, K] bf16 activations
-(rows <= native_ir.MAX_ROWS per call; more in turn). The threads: the product's output rows are
+`BlockProduct` holds one matrix in the kernels' layout and multiplies [rows, K] bf16 or fp32
+activations (rows <= native_ir.MAX_ROWS per call; more in turn). The threads: the product's output rows are
 split between the caller and `threads - 1` workers started on first use; `busy()` marks a forward
 pass, during which the workers spin for the next product instead of sleeping (and torch's own
 ops run on one thread, so that nothing waits on a spinning core).
@@ -26,35 +28,63 @@ import torch
 from radixlm.runtime.kernels import native_ir
 
 GROUP = 32
-_NEEDS = ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni", "+avx512bf16", "+f16c")
+# the processor features each instruction set of native_ir needs (LLVM's names)
+NEEDS = {"avx512": ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni", "+f16c", "+fma"),
+         "avx2": ("+avx2", "+fma", "+f16c")}
+
+
+def _host_features() -> set[str]:
+    import llvmlite.binding as llvm  # type: ignore[import-untyped]
+
+    return set(llvm.get_host_cpu_features().flatten().split(","))
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The instruction sets of native_ir this processor runs, best first (none without llvmlite)."""
+    try:
+        features = _host_features()
+    except ImportError:
+        return ()
+    return tuple(isa for isa in native_ir.ISAS if all(f in features for f in NEEDS[isa]))
 
 
 @functools.cache
+def isa() -> str | None:
+    """The instruction set this process's kernels use: the best the processor runs, or
+    RADIXLM_NATIVE_ISA=avx2 to take the AVX2 kernels on an AVX-512 processor (to measure them);
+    None where none runs or the kernels are turned off (RADIXLM_NATIVE=0)."""
+    if os.environ.get("RADIXLM_NATIVE", "1") == "0":
+        return None
+    isas = supported_isas()
+    wanted = os.environ.get("RADIXLM_NATIVE_ISA", "")
+    if wanted:
+        if wanted not in native_ir.ISAS:
+            raise ValueError(f"RADIXLM_NATIVE_ISA={wanted!r}: choose one of {', '.join(native_ir.ISAS)}")
+        return wanted if wanted in isas else None
+    return isas[0] if isas else None
+
+
 def available() -> bool:
     """Whether this process can use the kernels: llvmlite importable, a processor with AVX-512
-    VNNI and bf16, and not turned off (RADIXLM_NATIVE=0)."""
-    if os.environ.get("RADIXLM_NATIVE", "1") == "0":
-        return False
-    try:
-        import llvmlite.binding as llvm  # type: ignore[import-untyped]
-    except ImportError:
-        return False
-    features = set(llvm.get_host_cpu_features().flatten().split(","))
-    return all(f in features for f in _NEEDS)
+    VNNI and bf16 or with AVX2, and not turned off (RADIXLM_NATIVE=0)."""
+    return isa() is not None
 
 
 class _Library:
-    """The compiled module, its entry points, and the worker threads of this process."""
+    """The compiled module for one instruction set, its entry points, and its worker threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, isa: str) -> None:
         import llvmlite.binding as llvm
 
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
         target = llvm.Target.from_default_triple()
-        self.machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(),
-                                                    features=llvm.get_host_cpu_features().flatten(), opt=3)
-        module = llvm.parse_assembly(native_ir.module_ir())
+        features = llvm.get_host_cpu_features().flatten()
+        if isa != "avx512":  # the AVX2 code even where the processor has more
+            features = ",".join("-" + f[1:] if f[1:].startswith(("avx512", "amx")) else f for f in features.split(","))
+        self.isa = isa
+        self.machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=features, opt=3)
+        module = llvm.parse_assembly(native_ir.module_ir(isa))
         module.verify()
         builder = llvm.create_pass_builder(self.machine, llvm.create_pipeline_tuning_options(speed_level=3))
         builder.getModulePassManager().run(module, builder)
@@ -63,7 +93,7 @@ class _Library:
         p, i = ctypes.c_void_p, ctypes.c_int64
         address = self.engine.get_function_address
         self.product = ctypes.CFUNCTYPE(None, p, p, p, p, i, i)(address("product"))
-        self.attention = ctypes.CFUNCTYPE(None, p, p, i, p, i, p, i, p, p, i, i, i, ctypes.c_float, p, i, i, i)(
+        self.attention = ctypes.CFUNCTYPE(None, p, p, i, p, i, p, i, p, p, i, i, i, ctypes.c_float, p, i, i, i, i)(
             address("attention"))
         self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
         self.worker = ctypes.CFUNCTYPE(None, p, i)(address("worker"))
@@ -110,17 +140,27 @@ class _Library:
 
 
 @functools.cache
-def library() -> _Library:
-    if not available():
-        raise RuntimeError("the native block products need llvmlite and a processor with AVX-512 VNNI and bf16")
-    return _Library()
+def _library_for(isa: str) -> _Library:
+    if isa not in supported_isas():
+        raise RuntimeError(f"the native block products for {isa} need llvmlite and a processor with "
+                           + ", ".join(f[1:] for f in NEEDS[isa]))
+    return _Library(isa)
+
+
+def library(isa_name: str | None = None) -> _Library:
+    """The compiled kernels for `isa_name`, by default this process's (`isa()`)."""
+    chosen = isa_name or isa()
+    if chosen is None:
+        raise RuntimeError("the native block products need llvmlite and a processor with AVX-512 VNNI and bf16 "
+                           "or with AVX2 (and RADIXLM_NATIVE not 0)")
+    return _library_for(chosen)
 
 
 @contextlib.contextmanager
-def busy() -> Iterator[None]:
+def busy(isa_name: str | None = None) -> Iterator[None]:
     """A forward pass of few rows: the workers spin between its products, and torch's own ops
     run on this thread alone (a spinning worker holds the other cores)."""
-    lib = library()
+    lib = library(isa_name)
     with lib.lock:
         lib.start()
     threads = torch.get_num_threads()
@@ -153,34 +193,43 @@ def pack_blocks(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bit
     return torch.cat([ints, scales.view(torch.uint8)], -1).contiguous().view(n, chunks * native_ir.CHUNK_BYTES[bits])
 
 
-class BlockProduct:
-    """y = x @ W^T for W held in the kernels' layout; x [rows, K] bf16 -> y [rows, N] bf16."""
+ACT_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
-    def __init__(self, packed: torch.Tensor, n: int, k: int, bits: int) -> None:
-        self.lib = library()
-        self.packed, self.n, self.k, self.bits = packed, n, k, bits
+
+class BlockProduct:
+    """y = x @ W^T for W held in the kernels' layout; x [rows, K] -> y [rows, N], both `dtype`
+    (bf16 or fp32)."""
+
+    def __init__(self, packed: torch.Tensor, n: int, k: int, bits: int, dtype: torch.dtype = torch.bfloat16,
+                 isa_name: str | None = None) -> None:
+        if dtype not in ACT_DTYPES.values():
+            raise ValueError(f"the native product takes bf16 or fp32 activations, not {dtype}")
+        self.lib = library(isa_name)
+        self.packed, self.n, self.k, self.bits, self.dtype = packed, n, k, bits, dtype
         chunks = k // native_ir.CHUNK
         # scratch for the quantized activations, and the descriptor the kernels read
         self.quantized = torch.empty(native_ir.MAX_ROWS * k, dtype=torch.int8)
         self.act_scales = torch.empty(native_ir.MAX_ROWS * chunks * 4, dtype=torch.float32)
         fields = {"bits": bits, "wi": packed.data_ptr(), "aqi": self.quantized.data_ptr(),
-                  "asci": self.act_scales.data_ptr(), "n": n, "nch": chunks}
+                  "asci": self.act_scales.data_ptr(), "n": n, "nch": chunks, "f32": int(dtype == torch.float32)}
         self.descriptor = torch.tensor([fields[f] for f in native_ir.DESC_FIELDS], dtype=torch.int64)
         self.descriptor_address = self.descriptor.data_ptr()
 
     @classmethod
-    def affine(cls, u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int) -> BlockProduct:
+    def affine(cls, u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
+               dtype: torch.dtype = torch.bfloat16, isa_name: str | None = None) -> BlockProduct:
         n, k = u.shape
-        return cls(pack_blocks(u, scale, minimum, bits), n, k, bits)
+        return cls(pack_blocks(u, scale, minimum, bits), n, k, bits, dtype, isa_name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k:
-            raise ValueError(f"the native product takes [rows, {self.k}] bf16; got {tuple(x.shape)} {x.dtype}")
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"the native product takes [rows, {self.k}] {_name(self.dtype)}; got "
+                             f"{tuple(x.shape)} {x.dtype}")
         rows = x.shape[0]
         if rows > native_ir.MAX_ROWS or rows == 0:
             return self._in_turn(x)
         x = x.contiguous()
-        y = torch.empty((rows, self.n), dtype=torch.bfloat16)
+        y = torch.empty((rows, self.n), dtype=self.dtype)
         lib = self.lib
         with lib.lock:
             if not lib.threads_started:
@@ -193,28 +242,33 @@ class BlockProduct:
         an empty product, without a call (the kernels read at least one block)."""
         if x.shape[0] == 0:
             return x.new_empty((0, self.n))
-        with busy():
+        with busy(self.lib.isa):
             return torch.cat([self(x[r : r + native_ir.MAX_ROWS]) for r in range(0, x.shape[0], native_ir.MAX_ROWS)])
+
+
+def _name(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                      kv_heads: int, scale: float) -> torch.Tensor:
-    """Attention of decode queries q [B, heads, d] (bf16, heads and d contiguous; rows may be
-    strided) over each sequence's keys, read in place from a host pool layer kv [slots, 2 *
-    kv_heads, d] (a slot's K heads, then its V heads): sequence b's keys are at slots[b * L :
-    b * L + lengths[b]] (slots [B * L] int64, lengths [B] int64). -> [B, heads * d] bf16.
-    The (sequence, head) pairs are split between the caller and the workers."""
+    """Attention of decode queries q [B, heads, d] (bf16 or fp32, heads and d contiguous; rows may
+    be strided) over each sequence's keys, read in place from a host pool layer kv [slots, 2 *
+    kv_heads, d] of q's dtype (a slot's K heads, then its V heads): sequence b's keys are at
+    slots[b * L : b * L + lengths[b]] (slots [B * L] int64, lengths [B] int64). -> [B, heads * d]
+    in q's dtype. The (sequence, head) pairs are split between the caller and the workers."""
     b, heads, d = q.shape
-    if (q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or d not in native_ir.HEAD_DIMS
+    if (q.dtype not in ACT_DTYPES.values() or kv.dtype != q.dtype or d not in native_ir.HEAD_DIMS
             or q.stride(2) != 1 or q.stride(1) != d or not kv.is_contiguous()):
-        raise ValueError(f"native decode attention takes bf16 with head size in {native_ir.HEAD_DIMS} and "
-                         f"contiguous heads; got q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} {kv.dtype}")
+        raise ValueError(f"native decode attention takes bf16 or fp32 (q and kv alike) with head size in "
+                         f"{native_ir.HEAD_DIMS} and contiguous heads; got q {tuple(q.shape)} {q.dtype}, "
+                         f"kv {tuple(kv.shape)} {kv.dtype}")
     if (slots.dtype != torch.int64 or lengths.dtype != torch.int64 or not slots.is_contiguous()
             or not lengths.is_contiguous() or lengths.numel() != b):
         raise ValueError(f"native decode attention takes contiguous int64 slots and {b} int64 lengths; got "
                          f"{slots.dtype} {tuple(slots.shape)} and {lengths.dtype} {tuple(lengths.shape)}")
     longest = slots.numel() // max(1, b)
-    out = torch.empty((b, heads * d), dtype=torch.bfloat16)
+    out = torch.empty((b, heads * d), dtype=q.dtype)
     lib = library()
     with lib.lock:
         if not lib.threads_started:
@@ -224,6 +278,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, len
             lib.scratch = torch.empty(parts * max(longest, 1024), dtype=torch.float32)
         lib.attention(lib.control_address, q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(),
                       longest, lengths.data_ptr(), out.data_ptr(), b * heads, heads, kv_heads, scale,
-                      lib.scratch.data_ptr(), lib.scratch.numel() // parts, lib.workers, d)
+                      lib.scratch.data_ptr(), lib.scratch.numel() // parts, lib.workers, d,
+                      int(q.dtype == torch.float32))
     return out
 

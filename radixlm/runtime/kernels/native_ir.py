@@ -3,7 +3,9 @@
 The weights are blocks of 32 along K, w = d * u + m with u an unsigned 4- or 8-bit integer (GGUF
 Q4_1 as it is; Q4_0 and Q8_0 with m = -8 d and -128 d). The activations are quantized the same
 way llama.cpp does at batch 1, to int8 per block of 32 (a = da * qa), so a block's product is
-one integer dot product, AVX-512 VNNI's `vpdpbusd` (unsigned bytes times signed bytes):
+one integer dot product of unsigned bytes times signed bytes: AVX-512 VNNI's `vpdpbusd`, or on a
+processor with AVX2 alone `vpmaddubsw` + `vpmaddwd` for 4-bit weights (a pair's sum stays within
+16 bits) and bytes widened to 16 bits + `vpmaddwd` for 8-bit ones (the same integer sums):
 
     sum_i w_i a_i = d da sum_i u_i qa_i + m (da sum_i qa_i)
 
@@ -11,7 +13,8 @@ A weight row is stored as chunks of 64 weights (two blocks) followed by the chun
 four fp16 [d0, d1, m0, m1]: 4-bit chunks hold block 0 in the low nibbles and block 1 in the high
 ones (40 bytes), 8-bit chunks the 64 bytes as they are (72 bytes). The activations' scales come
 per chunk as four fp32 [da0, da1, sa0, sa1] with sa = da * sum qa, so the chunk's scale products
-are one 4-wide multiply. The products write bf16.
+are one 4-wide multiply. The activations are bf16 or fp32 (the model's dtype), and the products
+write the same dtype.
 
 A product splits its output rows between the calling thread and `workers` threads that wait in
 `worker` (spinning while a forward pass is marked busy, else asleep on a futex): one call per
@@ -28,16 +31,22 @@ MAX_ROWS = 4  # activation rows one call multiplies (each weight chunk read once
 BUSY_ROWS = 32  # steps of up to this many rows on the kernels run as one busy stretch (native.busy)
 CHUNK_BYTES = {4: 40, 8: 72}
 SPIN_BUSY = 200_000  # pause loops a worker spins for the next product while a forward pass is busy
-SPIN_IDLE = 64  # ... and otherwise, before it sleeps
+SPIN_IDLE = 64
+# a chunk's loads prefetch the weights this many bytes (times the rows an iteration) ahead: on a
+# 2-core Ice Lake the default model's 121 products of a bs1 step took 12.0 instead of 16.5 ms
+# with 2048 (1024-8192 alike), the hardware prefetcher alone not keeping up with short rows
+PREFETCH = 2048  # ... and otherwise, before it sleeps
 
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY = 0, 8, 9
 JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
 PRODUCT, ATTENTION = 0, 1
 PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
-DESC_FIELDS = ("bits", "wi", "aqi", "asci", "n", "nch")  # a matrix's descriptor (int64s)
+DESC_FIELDS = ("bits", "wi", "aqi", "asci", "n", "nch", "f32")  # a matrix's descriptor (int64s)
+ISAS = ("avx512", "avx2")  # the instruction sets the products are written for
+ACTS = ("bf16", "f32")  # the activation dtypes they take and write
 ATTENTION_FIELDS = ("op", "qi", "qstride", "kvi", "kvstride", "idxi", "maxkv", "lensi", "outi", "items", "heads",
-                    "kvheads", "scalebits", "scratchi", "sstride", "parts", "dim")
+                    "kvheads", "scalebits", "scratchi", "sstride", "parts", "dim", "f32")
 HEAD_DIMS = (64, 128)  # the head sizes the decode attention is compiled for
 DONE = 48  # + 8 * worker: the last job done; + 1: asleep
 CONTROL_SLOTS = DONE + 8 * 64
@@ -58,8 +67,10 @@ def _broadcast(name: str, value: str, lanes: int) -> list[str]:
             f"<{lanes} x i32> zeroinitializer"]
 
 
+_DOTS = {"avx512": "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)\n",
+         "avx2": "declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)\n"
+                 "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"}
 _HEADER = """
-declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
 declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
 declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
 declare <32 x float> @llvm.fabs.v32f32(<32 x float>)
@@ -67,28 +78,56 @@ declare float @llvm.vector.reduce.fmax.v32f32(<32 x float>)
 declare <32 x float> @llvm.rint.v32f32(<32 x float>)
 declare i32 @llvm.vector.reduce.add.v32i32(<32 x i32>)
 declare void @llvm.x86.sse2.pause()
+declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare float @llvm.maxnum.f32(float, float)
 declare float @llvm.floor.f32(float)
 declare i64 @syscall(i64, ...)
 """
 
 
-def _quantize() -> str:
-    """quantize(x bf16, aq i8, asc f32, blocks): a = da * qa per block of 32, qa in -127..127
-    rounded to nearest even; asc per pair of blocks [da0, da1, sa0, sa1]."""
+def _to_bf16(src: str, dst: str, lanes: int = 0) -> list[str]:
+    """%dst: the float (or <lanes x float>) %src rounded to bf16 bits (i16), to nearest even and
+    NaN kept a NaN, as the processor's own conversion rounds; in integers, since LLVM lowers
+    `fptrunc ... to bfloat` on a processor without AVX-512 bf16 to a library call that a JIT-ed
+    module may not find."""
+    def ty(t: str) -> str:
+        return f"<{lanes} x {t}>" if lanes else t
+
+    def const(v: int) -> str:
+        return _splat("i32", lanes, v) if lanes else str(v)
+    return [f"  %{dst}.b = bitcast {ty('float')} {src} to {ty('i32')}",
+            f"  %{dst}.l = lshr {ty('i32')} %{dst}.b, {const(16)}",
+            f"  %{dst}.o = and {ty('i32')} %{dst}.l, {const(1)}",
+            f"  %{dst}.a = add {ty('i32')} %{dst}.b, {const(0x7FFF)}",
+            f"  %{dst}.r = add {ty('i32')} %{dst}.a, %{dst}.o",
+            f"  %{dst}.n = fcmp uno {ty('float')} {src}, {src}",
+            f"  %{dst}.q = or {ty('i32')} %{dst}.b, {const(0x400000)}",
+            f"  %{dst}.v = select {ty('i1')} %{dst}.n, {ty('i32')} %{dst}.q, {ty('i32')} %{dst}.r",
+            f"  %{dst}.h = lshr {ty('i32')} %{dst}.v, {const(16)}",
+            f"  %{dst} = trunc {ty('i32')} %{dst}.h to {ty('i16')}"]
+
+
+def _quantize(act: str) -> str:
+    """quantize_{act}(x, aq i8, asc f32, blocks): a = da * qa per block of 32 of x (bf16 or fp32),
+    qa in -127..127 rounded to nearest even; asc per pair of blocks [da0, da1, sa0, sa1]."""
+    if act == "bf16":
+        load = f"""  %xp = getelementptr i16, ptr %x, i64 %o
+  %xv = load <32 x i16>, ptr %xp, align 2
+  %xw = zext <32 x i16> %xv to <32 x i32>
+  %xs = shl <32 x i32> %xw, {_splat("i32", 32, 16)}
+  %xf = bitcast <32 x i32> %xs to <32 x float>"""
+    else:
+        load = """  %xp = getelementptr float, ptr %x, i64 %o
+  %xf = load <32 x float>, ptr %xp, align 4"""
     return f"""
-define void @quantize(ptr %x, ptr %aq, ptr %asc, i64 %blocks) {{
+define void @quantize_{act}(ptr %x, ptr %aq, ptr %asc, i64 %blocks) {{
 entry:
   %none = icmp eq i64 %blocks, 0
   br i1 %none, label %done, label %loop
 loop:
   %b = phi i64 [0, %entry], [%b.next, %loop]
   %o = mul i64 %b, 32
-  %xp = getelementptr i16, ptr %x, i64 %o
-  %xv = load <32 x i16>, ptr %xp, align 2
-  %xw = zext <32 x i16> %xv to <32 x i32>
-  %xs = shl <32 x i32> %xw, {_splat("i32", 32, 16)}
-  %xf = bitcast <32 x i32> %xs to <32 x float>
+{load}
   %ab = call <32 x float> @llvm.fabs.v32f32(<32 x float> %xf)
   %mx = call float @llvm.vector.reduce.fmax.v32f32(<32 x float> %ab)
   %d = fdiv float %mx, 127.0
@@ -123,83 +162,167 @@ done:
 """
 
 
-def _rows(bits: int, m: int) -> str:
-    """rows_{bits}_{m}(w, aq, asc, y, n0, n1, nch, n): output rows n0..n1 of m activation rows."""
+def _dot_weights(bits: int, isa: str, x: str) -> list[str]:
+    """Load the chunk's 64 weights at %wp{x} in the form `_dot` multiplies (names end in `x`)."""
+    if bits == 4:
+        out = [f"  %wv{x} = load <32 x i8>, ptr %wp{x}, align 1",
+               f"  %lo{x} = and <32 x i8> %wv{x}, {_splat('i8', 32, 15)}",
+               f"  %hi{x} = lshr <32 x i8> %wv{x}, {_splat('i8', 32, 4)}"]
+        if isa == "avx512":
+            out += [f"  %w64{x} = shufflevector <32 x i8> %lo{x}, <32 x i8> %hi{x}, {_mask(list(range(64)))}",
+                    f"  %wi{x} = bitcast <64 x i8> %w64{x} to <16 x i32>"]
+        return out
+    if isa == "avx512":
+        return [f"  %wi{x} = load <16 x i32>, ptr %wp{x}, align 1"]
+    out = [f"  %w64{x} = load <64 x i8>, ptr %wp{x}, align 1"]
+    for q in range(4):  # four quarters of 16 bytes, widened to 16 bits
+        out += [f"  %wq{q}{x} = shufflevector <64 x i8> %w64{x}, <64 x i8> poison, "
+                f"{_mask(list(range(16 * q, 16 * q + 16)))}",
+                f"  %ww{q}{x} = zext <16 x i8> %wq{q}{x} to <16 x i16>"]
+    return out
+
+
+def _activations(bits: int, isa: str, j: int, t: str) -> list[str]:
+    """Load activation row j's 64 int8 values of the chunk (at %apr{j}{t}) in the form `_dot` takes."""
+    if isa == "avx512":
+        return [f"  %av{j}{t} = load <16 x i32>, ptr %apr{j}{t}, align 1"]
+    out = [f"  %av{j}{t} = load <64 x i8>, ptr %apr{j}{t}, align 1"]
+    if bits == 4:
+        return out + [f"  %ah{j}_{h}{t} = shufflevector <64 x i8> %av{j}{t}, <64 x i8> poison, "
+                      f"{_mask(list(range(32 * h, 32 * h + 32)))}" for h in range(2)]
+    for q in range(4):
+        out += [f"  %aq{j}_{q}{t} = shufflevector <64 x i8> %av{j}{t}, <64 x i8> poison, "
+                f"{_mask(list(range(16 * q, 16 * q + 16)))}",
+                f"  %aw{j}_{q}{t} = sext <16 x i8> %aq{j}_{q}{t} to <16 x i16>"]
+    return out
+
+
+def _dot(bits: int, isa: str, j: int, t: str, x: str) -> list[str]:
+    """%s{j}{x}: <16 x i32> with block 0's integer sum over lanes 0-7 and block 1's over lanes 8-15,
+    of the weights loaded by `_dot_weights` (names ending in `x`) and activation row j's values."""
+    if isa == "avx512":
+        return [f"  %s{j}{x} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
+                f"<16 x i32> %wi{x}, <16 x i32> %av{j}{t})"]
+    ones = _splat("i16", 16, 1)
+    out = []
+    if bits == 4:  # u <= 15: a pair's sum |15 * 127 * 2| fits vpmaddubsw's 16 bits
+        for h, w in ((0, f"%lo{x}"), (1, f"%hi{x}")):
+            out += [f"  %ph{j}_{h}{x} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {w}, "
+                    f"<32 x i8> %ah{j}_{h}{t})",
+                    f"  %pd{j}_{h}{x} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %ph{j}_{h}{x}, "
+                    f"<16 x i16> {ones})"]
+        return out + [f"  %s{j}{x} = shufflevector <8 x i32> %pd{j}_0{x}, <8 x i32> %pd{j}_1{x}, "
+                      f"{_mask(list(range(16)))}"]
+    for q in range(4):  # u <= 255 would overflow vpmaddubsw: both widened to 16 bits
+        out += [f"  %pd{j}_{q}{x} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %ww{q}{x}, "
+                f"<16 x i16> %aw{j}_{q}{t})"]
+    return out + [f"  %b0_{j}{x} = add <8 x i32> %pd{j}_0{x}, %pd{j}_1{x}",
+                  f"  %b1_{j}{x} = add <8 x i32> %pd{j}_2{x}, %pd{j}_3{x}",
+                  f"  %s{j}{x} = shufflevector <8 x i32> %b0_{j}{x}, <8 x i32> %b1_{j}{x}, {_mask(list(range(16)))}"]
+
+
+def _row_loop(bits: int, m: int, act: str, isa: str, t: str, together: int, first: str, last: str,
+              after: str) -> list[str]:
+    """A loop over output rows %{first}..%{last} (a multiple of `together` apart), `together` rows
+    an iteration (independent sums for the processor to overlap), each against the m activation
+    rows; then to label %{after}. Names end in `t` (and the output row's index within the
+    iteration)."""
     cb, scales = CHUNK_BYTES[bits], CHUNK_BYTES[bits] - 8
-    out = [f"define void @rows_{bits}_{m}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %n0, i64 %n1, "
+    rows = [f"{t}r{i}" for i in range(together)]
+    out = [f"  %none{t} = icmp uge i64 %{first}, %{last}",
+           f"  br i1 %none{t}, label %{after}, label %row{t}",
+           f"row{t}:",
+           f"  %r{t} = phi i64 [%{first}, %start{t}], [%r.next{t}, %rowend{t}]"]
+    for i, x in enumerate(rows):
+        out += [f"  %ri{x} = add i64 %r{t}, {i}",
+                f"  %ro{x} = mul i64 %ri{x}, %rowbytes",
+                f"  %wrow{x} = getelementptr i8, ptr %w, i64 %ro{x}"]
+    out += [f"  br label %chunk{t}", f"chunk{t}:", f"  %c{t} = phi i64 [0, %row{t}], [%c.next{t}, %chunk{t}]"]
+    for x in rows:
+        for j in range(m):
+            out += [f"  %acc{j}{x} = phi <16 x float> [zeroinitializer, %row{t}], [%accn{j}{x}, %chunk{t}]",
+                    f"  %mac{j}{x} = phi <4 x float> [zeroinitializer, %row{t}], [%macn{j}{x}, %chunk{t}]"]
+    out += [f"  %co{t} = mul i64 %c{t}, {cb}",
+            f"  %ao{t} = shl i64 %c{t}, 6",
+            f"  %so{t} = shl i64 %c{t}, 2",
+            f"  %ap{t} = getelementptr i8, ptr %aq, i64 %ao{t}",
+            f"  %sp{t} = getelementptr float, ptr %asc, i64 %so{t}"]
+    for j in range(m):
+        out += [f"  %apr{j}{t} = getelementptr i8, ptr %ap{t}, i64 %ka{j}",
+                f"  %spr{j}{t} = getelementptr float, ptr %sp{t}, i64 %ks{j}",
+                f"  %as{j}{t} = load <4 x float>, ptr %spr{j}{t}, align 4"]
+        out += _activations(bits, isa, j, t)
+    for x in rows:
+        out += [f"  %wp{x} = getelementptr i8, ptr %wrow{x}, i64 %co{t}",
+                f"  %pf{x} = getelementptr i8, ptr %wp{x}, i64 {PREFETCH * together}",
+                f"  call void @llvm.prefetch.p0(ptr %pf{x}, i32 0, i32 3, i32 1)"]
+        out += _dot_weights(bits, isa, x)
+        out += [f"  %shp{x} = getelementptr i8, ptr %wp{x}, i64 {scales}",
+                f"  %sh{x} = load <4 x half>, ptr %shp{x}, align 2",
+                f"  %sf{x} = fpext <4 x half> %sh{x} to <4 x float>"]
+        for j in range(m):
+            out += _dot(bits, isa, j, t, x)
+            out += [f"  %f{j}{x} = sitofp <16 x i32> %s{j}{x} to <16 x float>",
+                    f"  %kk{j}{x} = fmul <4 x float> %sf{x}, %as{j}{t}",
+                    f"  %kv{j}{x} = shufflevector <4 x float> %kk{j}{x}, <4 x float> poison, "
+                    f"{_mask([0] * 8 + [1] * 8)}",
+                    f"  %accn{j}{x} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{j}{x}, "
+                    f"<16 x float> %kv{j}{x}, <16 x float> %acc{j}{x})",
+                    f"  %macn{j}{x} = fadd <4 x float> %mac{j}{x}, %kk{j}{x}"]
+    out += [f"  %c.next{t} = add i64 %c{t}, 1",
+            f"  %more{t} = icmp ult i64 %c.next{t}, %nch",
+            f"  br i1 %more{t}, label %chunk{t}, label %rowend{t}",
+            f"rowend{t}:"]
+    for x in rows:
+        for j in range(m):
+            out += [f"  %h{j}{x} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, "
+                    f"<16 x float> %accn{j}{x})",
+                    f"  %m2_{j}{x} = extractelement <4 x float> %macn{j}{x}, i64 2",
+                    f"  %m3_{j}{x} = extractelement <4 x float> %macn{j}{x}, i64 3",
+                    f"  %mm{j}{x} = fadd float %m2_{j}{x}, %m3_{j}{x}",
+                    f"  %res{j}{x} = fadd float %h{j}{x}, %mm{j}{x}",
+                    f"  %yo{j}{x} = add i64 %ri{x}, %ky{j}"]
+            if act == "bf16":
+                out += _to_bf16(f"%res{j}{x}", f"bf{j}{x}")
+                out += [f"  %yp{j}{x} = getelementptr i16, ptr %y, i64 %yo{j}{x}",
+                        f"  store i16 %bf{j}{x}, ptr %yp{j}{x}, align 2"]
+            else:
+                out += [f"  %yp{j}{x} = getelementptr float, ptr %y, i64 %yo{j}{x}",
+                        f"  store float %res{j}{x}, ptr %yp{j}{x}, align 4"]
+    return out + [f"  %r.next{t} = add i64 %r{t}, {together}",
+                  f"  %rows{t} = icmp ult i64 %r.next{t}, %{last}",
+                  f"  br i1 %rows{t}, label %row{t}, label %{after}"]
+
+
+def rows_together(m: int, isa: str) -> int:
+    """Output rows an iteration of the products of m activation rows: two where the registers
+    hold both rows' sums (AVX-512's 32 vector registers; AVX2's 16 for up to 2 activation rows)."""
+    return 2 if isa == "avx512" or m <= 2 else 1
+
+
+def _rows(bits: int, m: int, act: str, isa: str) -> str:
+    """rows_{act}_{bits}_{m}(w, aq, asc, y, n0, n1, nch, n): output rows n0..n1 of m activation
+    rows, written as `act`: `rows_together` rows an iteration, then the odd row alone."""
+    together = rows_together(m, isa)
+    out = [f"define void @rows_{act}_{bits}_{m}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %n0, i64 %n1, "
            "i64 %nch, i64 %n) {",
            "entry:",
-           f"  %rowbytes = mul i64 %nch, {cb}",
+           f"  %rowbytes = mul i64 %nch, {CHUNK_BYTES[bits]}",
            "  %k = shl i64 %nch, 6",
-           "  %sstride = shl i64 %nch, 2",
-           "  %empty = icmp uge i64 %n0, %n1",
-           "  br i1 %empty, label %exit, label %row",
-           "row:",
-           "  %r = phi i64 [%n0, %entry], [%r.next, %rowend]",
-           "  %ro = mul i64 %r, %rowbytes",
-           "  %wrow = getelementptr i8, ptr %w, i64 %ro",
-           "  br label %chunk",
-           "chunk:",
-           "  %c = phi i64 [0, %row], [%c.next, %chunk]"]
-    for j in range(m):
-        out += [f"  %acc{j} = phi <16 x float> [zeroinitializer, %row], [%accn{j}, %chunk]",
-                f"  %mac{j} = phi <4 x float> [zeroinitializer, %row], [%macn{j}, %chunk]"]
-    out += [f"  %co = mul i64 %c, {cb}",
-            "  %wp = getelementptr i8, ptr %wrow, i64 %co"]
-    if bits == 4:
-        out += ["  %wv = load <32 x i8>, ptr %wp, align 1",
-                f"  %lo = and <32 x i8> %wv, {_splat('i8', 32, 15)}",
-                f"  %hi = lshr <32 x i8> %wv, {_splat('i8', 32, 4)}",
-                f"  %w64 = shufflevector <32 x i8> %lo, <32 x i8> %hi, {_mask(list(range(64)))}"]
-    else:
-        out += ["  %w64 = load <64 x i8>, ptr %wp, align 1"]
-    out += ["  %wi = bitcast <64 x i8> %w64 to <16 x i32>",
-            f"  %shp = getelementptr i8, ptr %wp, i64 {scales}",
-            "  %sh = load <4 x half>, ptr %shp, align 2",
-            "  %sf = fpext <4 x half> %sh to <4 x float>",
-            "  %ao = shl i64 %c, 6",
-            "  %so = shl i64 %c, 2",
-            "  %ap = getelementptr i8, ptr %aq, i64 %ao",
-            "  %sp = getelementptr float, ptr %asc, i64 %so"]
-    for j in range(m):
-        out += [f"  %apr{j} = getelementptr i8, ptr %ap, i64 %ka{j}",
-                f"  %av{j} = load <16 x i32>, ptr %apr{j}, align 1",
-                f"  %spr{j} = getelementptr float, ptr %sp, i64 %ks{j}",
-                f"  %as{j} = load <4 x float>, ptr %spr{j}, align 4",
-                f"  %s{j} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
-                f"<16 x i32> %wi, <16 x i32> %av{j})",
-                f"  %f{j} = sitofp <16 x i32> %s{j} to <16 x float>",
-                f"  %kk{j} = fmul <4 x float> %sf, %as{j}",
-                f"  %kv{j} = shufflevector <4 x float> %kk{j}, <4 x float> poison, {_mask([0] * 8 + [1] * 8)}",
-                f"  %accn{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{j}, <16 x float> %kv{j}, "
-                f"<16 x float> %acc{j})",
-                f"  %macn{j} = fadd <4 x float> %mac{j}, %kk{j}"]
-    out += ["  %c.next = add i64 %c, 1",
-            "  %more = icmp ult i64 %c.next, %nch",
-            "  br i1 %more, label %chunk, label %rowend",
-            "rowend:"]
-    for j in range(m):
-        out += [f"  %h{j} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, <16 x float> %accn{j})",
-                f"  %m2_{j} = extractelement <4 x float> %macn{j}, i64 2",
-                f"  %m3_{j} = extractelement <4 x float> %macn{j}, i64 3",
-                f"  %mm{j} = fadd float %m2_{j}, %m3_{j}",
-                f"  %res{j} = fadd float %h{j}, %mm{j}",
-                f"  %bf{j} = fptrunc float %res{j} to bfloat",
-                f"  %yo{j} = add i64 %r, %ky{j}",
-                f"  %yp{j} = getelementptr bfloat, ptr %y, i64 %yo{j}",
-                f"  store bfloat %bf{j}, ptr %yp{j}, align 2"]
-    out += ["  %r.next = add i64 %r, 1",
-            "  %rows = icmp ult i64 %r.next, %n1",
-            "  br i1 %rows, label %row, label %exit",
-            "exit:",
-            "  ret void",
-            "}"]
+           "  %sstride = shl i64 %nch, 2"]
     # the row offsets of activation row j: its int8 values (j K), scales (j nch 4) and outputs (j n)
-    offsets = []
     for j in range(m):
-        offsets += [f"  %ka{j} = mul i64 %k, {j}", f"  %ks{j} = mul i64 %sstride, {j}", f"  %ky{j} = mul i64 %n, {j}"]
-    at = out.index("  %empty = icmp uge i64 %n0, %n1")
-    return "\n".join(out[:at] + offsets + out[at:]) + "\n"
+        out += [f"  %ka{j} = mul i64 %k, {j}", f"  %ks{j} = mul i64 %sstride, {j}", f"  %ky{j} = mul i64 %n, {j}"]
+    out += ["  %span = sub i64 %n1, %n0",
+            f"  %pairs = udiv i64 %span, {together}",
+            f"  %paired = mul i64 %pairs, {together}",
+            "  %split = add i64 %n0, %paired",
+            "  br label %startA",
+            "startA:"]
+    out += _row_loop(bits, m, act, isa, "A", together, "n0", "split", "startB")
+    out += ["startB:"]
+    out += _row_loop(bits, m, act, isa, "B", 1, "split", "n1", "exit")
+    return "\n".join(out + ["exit:", "  ret void", "}"]) + "\n"
 
 
 def _loads(base: str, offset: int, names: tuple[str, ...]) -> str:
@@ -225,12 +348,13 @@ def _share(total: str, first: str, last: str) -> str:
 def _product_part() -> str:
     """product_part(ctl, index): the posted product's output rows of part `index` of `parts`."""
     cases, blocks = [], []
-    for bits in CHUNK_BYTES:
-        for m in range(1, MAX_ROWS + 1):
-            label = f"b{bits}m{m}"
-            cases.append(f"i64 {bits * 8 + m}, label %{label}")
-            blocks.append(f"{label}:\n  call void @rows_{bits}_{m}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %n0, "
-                          "i64 %n1, i64 %nch, i64 %n)\n  br label %exit")
+    for f32, act in enumerate(ACTS):
+        for bits in CHUNK_BYTES:
+            for m in range(1, MAX_ROWS + 1):
+                label = f"{act}b{bits}m{m}"
+                cases.append(f"i64 {f32 * 1000 + bits * 8 + m}, label %{label}")
+                blocks.append(f"{label}:\n  call void @rows_{act}_{bits}_{m}(ptr %w, ptr %aq, ptr %asc, ptr %y, "
+                              "i64 %n0, i64 %n1, i64 %nch, i64 %n)\n  br label %exit")
     return f"""
 define void @product_part(ptr %ctl, i64 %index) {{
 entry:
@@ -243,7 +367,9 @@ entry:
   %asc = inttoptr i64 %asci to ptr
 {_share("n", "n0", "n1")}
   %b8 = shl i64 %bits, 3
-  %kind = add i64 %b8, %m
+  %bm = add i64 %b8, %m
+  %f32k = mul i64 %f32, 1000
+  %kind = add i64 %f32k, %bm
   switch i64 %kind, label %exit [ {" ".join(cases)} ]
 {chr(10).join(blocks)}
 exit:
@@ -346,9 +472,19 @@ entry:
   %asc = inttoptr i64 %asci to ptr
   %nchp = getelementptr i64, ptr %desc, i64 5
   %nch = load i64, ptr %nchp, align 8
+  %f32p = getelementptr i64, ptr %desc, i64 6
+  %f32 = load i64, ptr %f32p, align 8
   %blocks0 = mul i64 %m, %nch
   %blocks = shl i64 %blocks0, 1
-  call void @quantize(ptr %x, ptr %aq, ptr %asc, i64 %blocks)
+  %isf32 = icmp ne i64 %f32, 0
+  br i1 %isf32, label %qf32, label %qbf16
+qf32:
+  call void @quantize_f32(ptr %x, ptr %aq, ptr %asc, i64 %blocks)
+  br label %post
+qbf16:
+  call void @quantize_bf16(ptr %x, ptr %aq, ptr %asc, i64 %blocks)
+  br label %post
+post:
   %parts = add i64 %workers, 1
   %desci = ptrtoint ptr %desc to i64
   %yi = ptrtoint ptr %y to i64
@@ -359,7 +495,7 @@ entry:
 
 define void @attention(ptr %ctl, ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx, i64 %maxkv, ptr %lens,
                        ptr %out, i64 %items, i64 %heads, i64 %kvheads, float %scale, ptr %scratch, i64 %sstride,
-                       i64 %workers, i64 %dim) {{
+                       i64 %workers, i64 %dim, i64 %f32) {{
 entry:
   %parts = add i64 %workers, 1
   %qi = ptrtoint ptr %q to i64
@@ -457,8 +593,14 @@ entry:
 """
 
 
-def _bf16_vectors(pointer: str, name: str, count: int) -> list[str]:
-    """Load count * 16 bf16 at `pointer` as <16 x float> vectors %{name}0..."""
+_ELEMENT = {"bf16": "i16", "f32": "float"}  # the IR element type an activation dtype is addressed as
+
+
+def _vectors(act: str, pointer: str, name: str, count: int) -> list[str]:
+    """Load count * 16 values of `act` at `pointer` as <16 x float> vectors %{name}0..."""
+    if act == "f32":
+        return [f"  %{name}{v}.p = getelementptr float, ptr {pointer}, i64 {16 * v}\n"
+                f"  %{name}{v} = load <16 x float>, ptr %{name}{v}.p, align 4" for v in range(count)]
     out = []
     for v in range(count):
         out += [f"  %{name}{v}.p = getelementptr i16, ptr {pointer}, i64 {16 * v}",
@@ -469,12 +611,12 @@ def _bf16_vectors(pointer: str, name: str, count: int) -> list[str]:
     return out
 
 
-def _attend(dim: int) -> str:
-    """attend_{dim}(...): decode attention of items i0..i1 (item = sequence b, query head h) over
-    the sequence's keys in the host pool (a slot's row: K heads, then V heads, bf16), without a
-    gather: scores into `scratch`, their max, then exp2 weights and the V sum in one pass."""
-    nv = dim // 16
-    out = [f"define void @attend_{dim}(ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx, i64 %maxkv, "
+def _attend(dim: int, act: str) -> str:
+    """attend_{act}_{dim}(...): decode attention of items i0..i1 (item = sequence b, query head h)
+    over the sequence's keys in the host pool (a slot's row: K heads, then V heads, `act`), without
+    a gather: scores into `scratch`, their max, then exp2 weights and the V sum in one pass."""
+    nv, el = dim // 16, _ELEMENT[act]
+    out = [f"define void @attend_{act}_{dim}(ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx, i64 %maxkv, "
            "ptr %lens, ptr %out, i64 %heads, i64 %kvheads, float %scale, ptr %scratch, i64 %i0, i64 %i1) {",
            "entry:",
            "  %group = udiv i64 %heads, %kvheads",
@@ -492,13 +634,13 @@ def _attend(dim: int) -> str:
            "  %qrow = mul i64 %b, %qstride",
            f"  %qh = mul i64 %h, {dim}",
            "  %qo = add i64 %qrow, %qh",
-           "  %qp = getelementptr i16, ptr %q, i64 %qo",
+           f"  %qp = getelementptr {el}, ptr %q, i64 %qo",
            f"  %ko = mul i64 %g, {dim}",
            "  %vg = add i64 %g, %kvheads",
            f"  %vo = mul i64 %vg, {dim}",
            "  %ib = mul i64 %b, %maxkv",
            "  %idxb = getelementptr i64, ptr %idx, i64 %ib"]
-    out += _bf16_vectors("%qp", "qr", nv)
+    out += _vectors(act, "%qp", "qr", nv)
     out += [f"  %qv{v} = fmul <16 x float> %qr{v}, %s2v" for v in range(nv)]
     out += ["  %empty = icmp eq i64 %len, 0",
             "  br i1 %empty, label %stored, label %score",
@@ -509,8 +651,8 @@ def _attend(dim: int) -> str:
             "  %slot = load i64, ptr %slotp, align 8",
             "  %row = mul i64 %slot, %kvstride",
             "  %kro = add i64 %row, %ko",
-            "  %kp = getelementptr i16, ptr %kv, i64 %kro"]
-    out += _bf16_vectors("%kp", "k", nv)
+            f"  %kp = getelementptr {el}, ptr %kv, i64 %kro"]
+    out += _vectors(act, "%kp", "k", nv)
     out.append("  %t0 = fmul <16 x float> %qv0, %k0")
     out += [f"  %t{v} = call <16 x float> @llvm.fma.v16f32(<16 x float> %qv{v}, <16 x float> %k{v}, "
             f"<16 x float> %t{v - 1})" for v in range(1, nv)]
@@ -535,8 +677,8 @@ def _attend(dim: int) -> str:
             "  %vslot = load i64, ptr %vslotp, align 8",
             "  %vrow = mul i64 %vslot, %kvstride",
             "  %vro = add i64 %vrow, %vo",
-            "  %vp = getelementptr i16, ptr %kv, i64 %vro"]
-    out += _bf16_vectors("%vp", "v", nv)
+            f"  %vp = getelementptr {el}, ptr %kv, i64 %vro"]
+    out += _vectors(act, "%vp", "v", nv)
     out += [f"  %acc{v}.next = call <16 x float> @llvm.fma.v16f32(<16 x float> %pwv, <16 x float> %v{v}, "
             f"<16 x float> %acc{v})" for v in range(nv)]
     out += ["  %jj.next = add i64 %jj, 1",
@@ -546,12 +688,16 @@ def _attend(dim: int) -> str:
             "  %inv = fdiv float 1.0, %sum.next",
             *_broadcast("invv", "%inv", 16),
             "  %ob = mul i64 %i, " + str(dim),
-            "  %op = getelementptr bfloat, ptr %out, i64 %ob"]
+            f"  %op = getelementptr {el}, ptr %out, i64 %ob"]
     for v in range(nv):
-        out += [f"  %o{v} = fmul <16 x float> %acc{v}.next, %invv",
-                f"  %ob{v} = fptrunc <16 x float> %o{v} to <16 x bfloat>",
-                f"  %op{v} = getelementptr bfloat, ptr %op, i64 {16 * v}",
-                f"  store <16 x bfloat> %ob{v}, ptr %op{v}, align 2"]
+        out += [f"  %o{v} = fmul <16 x float> %acc{v}.next, %invv"]
+        if act == "f32":
+            out += [f"  %op{v} = getelementptr float, ptr %op, i64 {16 * v}",
+                    f"  store <16 x float> %o{v}, ptr %op{v}, align 4"]
+        else:
+            out += [*_to_bf16(f"%o{v}", f"ob{v}", 16),
+                    f"  %op{v} = getelementptr i16, ptr %op, i64 {16 * v}",
+                    f"  store <16 x i16> %ob{v}, ptr %op{v}, align 2"]
     out += ["  br label %stored",
             "stored:",
             "  %i.next = add i64 %i, 1",
@@ -566,10 +712,11 @@ def _attend(dim: int) -> str:
 def _attention_part() -> str:
     """attention_part(ctl, index): the posted attention's items of part `index`, with the part's
     own scratch row."""
-    cases = " ".join(f"i64 {d}, label %d{d}" for d in HEAD_DIMS)
-    blocks = "\n".join(f"d{d}:\n  call void @attend_{d}(ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx, "
-                       "i64 %maxkv, ptr %lens, ptr %out, i64 %heads, i64 %kvheads, float %scale, ptr %scr, "
-                       "i64 %i0, i64 %i1)\n  br label %exit" for d in HEAD_DIMS)
+    kinds = [(f32, act, d) for f32, act in enumerate(ACTS) for d in HEAD_DIMS]
+    cases = " ".join(f"i64 {f32 * 1000 + d}, label %{act}d{d}" for f32, act, d in kinds)
+    blocks = "\n".join(f"{act}d{d}:\n  call void @attend_{act}_{d}(ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, "
+                       "ptr %idx, i64 %maxkv, ptr %lens, ptr %out, i64 %heads, i64 %kvheads, float %scale, ptr %scr, "
+                       "i64 %i0, i64 %i1)\n  br label %exit" for f32, act, d in kinds)
     return f"""
 define void @attention_part(ptr %ctl, i64 %index) {{
 entry:
@@ -585,7 +732,9 @@ entry:
   %so = mul i64 %sstride, %index
   %scr = getelementptr float, ptr %scratch, i64 %so
 {_share("items", "i0", "i1")}
-  switch i64 %dim, label %exit [ {cases} ]
+  %f32k = mul i64 %f32, 1000
+  %kind = add i64 %f32k, %dim
+  switch i64 %kind, label %exit [ {cases} ]
 {blocks}
 exit:
   ret void
@@ -593,7 +742,11 @@ exit:
 """
 
 
-def module_ir() -> str:
-    rows = "".join(_rows(bits, m) for bits in CHUNK_BYTES for m in range(1, MAX_ROWS + 1))
-    attention = _exp2() + "".join(_attend(d) for d in HEAD_DIMS) + _attention_part()
-    return _HEADER + _quantize() + rows + _product_part() + attention + _threads()
+def module_ir(isa: str = "avx512") -> str:
+    """The module for processors with `isa` (one of ISAS)."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown instruction set {isa!r}; choose one of {', '.join(ISAS)}")
+    rows = "".join(_rows(bits, m, act, isa) for act in ACTS for bits in CHUNK_BYTES for m in range(1, MAX_ROWS + 1))
+    attention = _exp2() + "".join(_attend(d, act) for act in ACTS for d in HEAD_DIMS) + _attention_part()
+    quantize = "".join(_quantize(act) for act in ACTS)
+    return _DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + _threads()

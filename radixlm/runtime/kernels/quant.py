@@ -74,7 +74,8 @@ def _with_dense_copy(layer: WeightOnlyLinear, weight: torch.Tensor, dtype: torch
                      keep_dense: bool) -> WeightOnlyLinear:
     """A layer quantized from the float `weight`, given that weight as its dense copy if asked."""
     if keep_dense:
-        layer.dense = DenseLinear(weight.to(dtype), layer.bias)
+        fp16 = isinstance(layer, NativeBlockLinear) and dtype == torch.float32 and fp16_available()
+        layer.dense = Fp16Linear(weight, layer.bias) if fp16 else DenseLinear(weight.to(dtype), layer.bias)
     return layer
 
 
@@ -89,7 +90,7 @@ class WeightOnlyLinear(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # (packed for oneDNN where the processor multiplies bf16: radixlm.runtime.kernels.packed)
-        self.dense = None if dense is None else DenseLinear(dense, bias)
+        self.dense: DenseLinear | WeightOnlyLinear | None = None if dense is None else DenseLinear(dense, bias)
         self.dense_above = dense_above
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,14 +237,21 @@ class Int8BlockLinear(Int4Linear):
 
 class NativeBlockLinear(WeightOnlyLinear):
     """4- or 8-bit weight blocks (w = scale * u + minimum per 32 along K) multiplied by the
-    native VNNI kernels (radixlm.runtime.kernels.native) with int8 activation blocks, as
-    llama.cpp multiplies at batch 1: the weights read at the memory's speed, where torch's int4
-    kernel converts each to a float. Used in place of `Int4Linear` / `Int8BlockLinear` where the
-    processor has AVX-512 VNNI and bf16 (`native.available()`), for bf16 activations."""
+    native kernels (radixlm.runtime.kernels.native) with int8 activation blocks, as llama.cpp
+    multiplies at batch 1: the weights read at the memory's speed, where torch's int4 kernel
+    converts each to a float. Used in place of `Int4Linear` / `Int8BlockLinear` where the
+    processor runs them (`native.available()`: AVX-512 VNNI or AVX2), for bf16 or fp32
+    activations. With fp32 activations a dense copy is held as fp16 in FBGEMM's GEMM where this
+    torch has it (faster than a fp32 matmul at every step shape on a processor without native
+    bf16; `Fp16Linear`)."""
 
     def __init__(self, product: BlockProduct, method: str, bias: torch.Tensor | None = None,
                  dense: torch.Tensor | None = None, dense_above: int | None = None) -> None:
-        super().__init__(product.n, product.k, bias, dense, dense_above)
+        fp16_copy = dense is not None and dense.dtype == torch.float32 and fp16_available()
+        super().__init__(product.n, product.k, bias, None if fp16_copy else dense, dense_above)
+        if fp16_copy:
+            assert dense is not None
+            self.dense = Fp16Linear(dense, self.bias)
         self.product = product
         self.method = method
 
@@ -259,7 +267,7 @@ class NativeBlockLinear(WeightOnlyLinear):
                     dense_above: int | None = None) -> NativeBlockLinear:
         """From w = scale * q + minimum per group, q in 0..15 (GGUF Q4_1; Q4_0 and Q4_K map onto it)."""
         dense = _dequantized(q, scale, minimum, dtype) if keep_dense else None
-        product = BlockProduct.affine(q, scale.float(), minimum.float(), bits=4)
+        product = BlockProduct.affine(q, scale.float(), minimum.float(), bits=4, dtype=dtype)
         return cls(product, "q4", _opt(bias, dtype), dense, dense_above)
 
     @classmethod
@@ -268,14 +276,15 @@ class NativeBlockLinear(WeightOnlyLinear):
         """From w = scale * q per group, q in -128..127 (GGUF Q8_0): u = q + 128, minimum -128 scale."""
         s = scale.float()
         dense = _dequantized(q, s, None, dtype) if keep_dense else None
-        product = BlockProduct.affine(q.to(torch.int32) + 128, s, -128 * s, bits=8)
+        product = BlockProduct.affine(q.to(torch.int32) + 128, s, -128 * s, bits=8, dtype=dtype)
         return cls(product, "q8_0", _opt(bias, dtype), dense, dense_above)
 
 
 def uses_native(dtype: torch.dtype, in_features: int) -> bool:
-    """Whether block weights for `dtype` activations go to the native kernels (bf16, K a
+    """Whether block weights for `dtype` activations go to the native kernels (bf16 or fp32, K a
     multiple of their 64-weight chunk, a processor they run on)."""
-    return dtype == torch.bfloat16 and in_features % native_ir.CHUNK == 0 and native.available()
+    return (dtype in (torch.bfloat16, torch.float32) and in_features % native_ir.CHUNK == 0
+            and native.available())
 
 
 def four_bit_linear(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,

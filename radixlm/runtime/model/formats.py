@@ -7,10 +7,12 @@ weights stay quantized. Each choice comes with the reason, logged at start and s
   matmuls, ~3x slower than fp32 at 64 rows). Without readable CPU flags a tiny matmul is timed
   in both dtypes.
 - quantization `auto`: on a CPU in bf16, a GGUF model whose linear weights are 4-bit runs from
-  them (int4 at steps of few rows, a dense copy above); in fp32 chosen by `--dtype auto` (no
-  native bf16), any model runs fp16 weights in FBGEMM's fp16 GEMM (half the bytes of fp32,
-  fp32 accumulation; torch's int4/int8 kernels have no fast fp32 path) where this torch has it;
-  everything else keeps dense weights.
+  them (int4 at steps of few rows, a dense copy above). In fp32 chosen by `--dtype auto` (no
+  native bf16) the same holds where the native kernels run (AVX-512 VNNI or AVX2: 4-bit blocks
+  times int8 activation blocks), with the dense copy in FBGEMM's fp16 GEMM; any other model runs
+  fp16 weights in FBGEMM's fp16 GEMM (half the bytes of fp32, fp32 accumulation; torch's
+  int4/int8 kernels have no fast fp32 path) where this torch has it. Everything else keeps dense
+  weights.
 """
 
 from __future__ import annotations
@@ -29,14 +31,20 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # bs16 1.08x; docs/benchmarks.md, "Native VNNI kernels").
 AUTO_DENSE_ABOVE = 4
 NATIVE_DENSE_ABOVE = 16
+# With fp32 activations (no native bf16) the dense copy is FBGEMM's fp16 GEMM, which the native
+# kernels beat up to 4 rows and lose to from ~8 (Ice Lake, 2 threads: one layer's products 1.4x
+# faster at 4 rows, 0.5-0.7x at 16; docs/benchmarks.md, "Native kernels without native bf16").
+NATIVE_FP32_DENSE_ABOVE = 4
 
 
-def auto_dense_above() -> int:
+def auto_dense_above(dtype: str = "bfloat16") -> int:
     """Up to how many rows `auto`'s quantized layers multiply their own weights: more with the
-    native kernels than with torch's int4 kernel."""
+    native kernels than with torch's int4 kernel, fewer against FBGEMM's fp16 copy in fp32."""
     from radixlm.runtime.kernels import native
 
-    return NATIVE_DENSE_ABOVE if native.available() else AUTO_DENSE_ABOVE
+    if not native.available():
+        return AUTO_DENSE_ABOVE
+    return NATIVE_FP32_DENSE_ABOVE if dtype == "float32" else NATIVE_DENSE_ABOVE
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,12 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     if on_cuda:
         return QuantChoice("none", None, "CUDA runs dense bf16 weights (its triton kernels)")
     not_four_bit = QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
+    kernels = f"the native {native.isa()} kernels" if native.available() else "torch's int4 kernel"
+    if dtype == "float32" and auto_dtype and gguf_four_bit and native.available():
+        rows = auto_dense_above(dtype) if dense_above is None else dense_above
+        copy = "an fp16 copy in FBGEMM's GEMM" if fp16_available() else "a dense fp32 copy"
+        return QuantChoice("q4", rows, f"no native bf16: the GGUF's 4-bit weights, used as they are for steps of "
+                                       f"up to {rows} rows ({kernels}, fp32 activations), {copy} above")
     if dtype == "float32" and auto_dtype:
         if not fp16_available():
             return QuantChoice("none", None, "fp32 without FBGEMM's fp16 linear (torch's int4/int8 CPU kernels "
@@ -136,6 +150,5 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     if not gguf_four_bit:
         return not_four_bit
     rows = auto_dense_above() if dense_above is None else dense_above
-    kernels = "the native VNNI kernels" if native.available() else "torch's int4 kernel"
     return QuantChoice("q4", rows, f"the GGUF's 4-bit weights, used as they are for steps of up to {rows} "
                                    f"rows ({kernels}: 3x fewer bytes read), a dense bf16 copy above")

@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixlm.runtime.kernels.quant import Int8Linear, WeightOnlyLinear, eight_bit_linear, four_bit_linear, q8_from_float
+from radixlm.runtime.kernels.quant import (
+    Int8Linear,
+    WeightOnlyLinear,
+    eight_bit_linear,
+    four_bit_linear,
+    q8_from_float,
+    uses_native,
+)
 from radixlm.runtime.model.gguf_convert import _unpermute_rope_rows
 
 # our fused layer -> the GGUF tensors it stacks (rows in this order)
@@ -134,9 +141,10 @@ class GGUFLinears:
             q, scale, minimum = self._stacked(parts, four_bit_blocks)
             return four_bit_linear(q.to(torch.int32), scale, minimum, dtype, keep_dense=keep,
                                    dense_above=dense_above)
-        # 8-bit blocks run on the int4 kernel, whose fast path is bf16: in fp32 the default model's
-        # head took 52 ms a row that way against 13 ms as int8 per row (Zen 4)
-        blocks = method == "q4" and dtype == torch.bfloat16
+        # 8-bit blocks run on the native kernels, or on the int4 kernel, whose fast path is bf16: in
+        # fp32 the default model's head took 52 ms a row that way against 13 ms as int8 per row (Zen 4)
+        row_length = int(parts[0][1].shape[0])  # (GGUF shapes list the row's length first)
+        blocks = method == "q4" and (dtype == torch.bfloat16 or uses_native(dtype, row_length))
         if blocks and kinds == {"Q8_0"}:
             q, scale = self._stacked(parts, q8_0_blocks)
             return eight_bit_linear(q, scale, dtype, keep_dense=keep, dense_above=dense_above)

@@ -32,33 +32,34 @@ from radixlm.runtime.kernels.quant import NativeBlockLinear, WeightOnlyLinear
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
 
+PAIRED_NORM = (torch.bfloat16, torch.float32)  # dtypes whose CPU RMSNorm runs as LayerNorm over [x, -x]
+
 
 def host_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm off CUDA: normalise in fp32, scale in the model dtype (HF's order).
 
-    In fp32, `F.rms_norm` with the weight. In bf16 the norm is LayerNorm's fused kernel over
-    [x, -x]: that row's mean is zero and its variance is mean(x^2), so its first half is
-    x / sqrt(mean(x^2) + eps), computed in fp32 and rounded once to bf16, as HF's RMSNorm rounds
-    it; ~10 instead of ~16 us a call at one row (`F.rms_norm` runs as six separate ops on the
-    CPU), 61 calls a step in the default model. The results equal HF's formula except a few
-    elements in 10^5 (at most 1 in 10^3), each one bf16 step apart: the kernel's fp32 mean and
-    variance round differently (tests/runtime/model/test_host_rms_norm.py)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    if x.dtype == torch.bfloat16:
+    In bf16 and fp32 the norm is LayerNorm's fused kernel over [x, -x]: that row's mean is zero
+    and its variance is mean(x^2), so its first half is x / sqrt(mean(x^2) + eps), computed in
+    fp32 (and rounded once to bf16, as HF's RMSNorm rounds it); ~10 instead of ~16 us a call at
+    one row in bf16 and ~8 instead of ~50 in fp32 (`F.rms_norm` runs as six separate ops on the
+    CPU), 61 calls a step in the default model. In bf16 the results equal HF's formula except a
+    few elements in 10^5 (at most 1 in 10^3), each one bf16 step apart; in fp32 they are within
+    a few fp32 steps of it: the kernel's fp32 mean and variance round differently
+    (tests/runtime/model/test_host_rms_norm.py)."""
+    if x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and weight.dtype == torch.float32):
         n = x.shape[-1]
         return weight * torch.layer_norm(torch.cat([x, x.neg()], -1), (2 * n,), None, None, eps)[..., :n]
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 class HostStream:
-    """The CPU layer loop's residual stream [rows, hidden], and its norms. In bf16 it is the first
-    half of a [rows, 2 * hidden] buffer whose second half takes its negation before each norm, so
-    `host_rms_norm`'s LayerNorm over [x, -x] runs on the buffer itself instead of a concatenated
-    copy: an op fewer a norm (61 a step in the default model), the same values."""
+    """The CPU layer loop's residual stream [rows, hidden], and its norms. In bf16 and fp32 it is
+    the first half of a [rows, 2 * hidden] buffer whose second half takes its negation before each
+    norm, so `host_rms_norm`'s LayerNorm over [x, -x] runs on the buffer itself instead of a
+    concatenated copy: an op fewer a norm (61 a step in the default model), the same values."""
 
     def __init__(self, h: torch.Tensor) -> None:
-        self.pair: torch.Tensor | None = torch.cat([h, h.neg()], 1) if h.dtype == torch.bfloat16 else None
+        self.pair: torch.Tensor | None = torch.cat([h, h.neg()], 1) if h.dtype in PAIRED_NORM else None
         self.residual = h
         self._halves()
 

@@ -1,6 +1,7 @@
 """The native block products (radixlm.runtime.kernels.native): exact against the same arithmetic
-in torch (int8 activation blocks, integer block sums, fp32 scales), the same with and without
-worker threads, and their layout's errors."""
+in torch (int8 activation blocks, integer block sums, fp32 scales) for each instruction set the
+processor runs (AVX-512 VNNI, AVX2) and each activation dtype (bf16, fp32), the same with and
+without worker threads, and their layout's errors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from radixlm.runtime.kernels import native, native_ir
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="needs llvmlite and AVX-512 VNNI + bf16")
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs llvmlite and AVX-512 VNNI or AVX2")
+ISAS = native.supported_isas()
 
 
 def _blocks(bits: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -35,24 +37,43 @@ def _reference(x: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, minimum: t
     return (sums * (scale.double()[None] * da.double()[:, None]) + minimum.double()[None] * sa[:, None]).sum(-1)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
-def test_product_is_the_int8_block_arithmetic(bits, rows):
+def test_product_is_the_int8_block_arithmetic(isa, dtype, bits, rows):
     n, k = 200, 320
     u, scale, minimum = _blocks(bits, n, k, seed=bits * 10 + rows)
-    product = native.BlockProduct.affine(u, scale, minimum, bits)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    product = native.BlockProduct.affine(u, scale, minimum, bits, dtype, isa)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
     x[0, :32] = 0  # an all-zero block
     got = product(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert got.dtype == dtype and got.shape == (rows, n)
     ref = _reference(x, u, scale, minimum)
-    # only the fp32 scale products and the order of the fp32 sums differ, then bf16 rounding
-    assert torch.allclose(got.double(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+    # only the fp32 scale products and the order of the fp32 sums differ (then bf16's rounding)
+    rtol = 8e-3 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got.double(), ref, rtol=rtol, atol=rtol / 8 * ref.abs().max().item())
     # and against the weights in fp32: within int8 activation blocks' error
     w = (u.float().view(n, k // 32, 32) * scale[..., None] + minimum[..., None]).view(n, k)
     exact = x.float() @ w.T
     rel = (got.float() - exact).abs().max().item() / exact.abs().max().item()
     assert 1e-4 < rel < 0.02
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_output_is_the_fp32_output_rounded_to_nearest_even(bits):
+    """The bf16 products round their fp32 sums as torch does (to nearest, ties to even), in
+    integers (no bf16 instructions needed); and both instruction sets give the same sums."""
+    u, scale, minimum = _blocks(bits, 96, 256, seed=bits)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(bits)).bfloat16()
+    outputs = []
+    for isa in ISAS:
+        as_bf16 = native.BlockProduct.affine(u, scale, minimum, bits, torch.bfloat16, isa)(x)
+        as_fp32 = native.BlockProduct.affine(u, scale, minimum, bits, torch.float32, isa)(x.float())
+        assert torch.equal(as_bf16, as_fp32.bfloat16())
+        outputs.append(as_fp32)
+    for other in outputs[1:]:  # the integer sums are equal; the fp32 sums' order may differ
+        assert torch.allclose(other, outputs[0], rtol=1e-6, atol=1e-6 * outputs[0].abs().max().item())
 
 
 def test_rows_are_the_same_alone_in_a_batch_and_across_threads():
@@ -80,34 +101,40 @@ def test_layout_and_input_errors():
     assert product(torch.empty(0, 128, dtype=torch.bfloat16)).shape == (0, 8)  # a step whose rows all left
     with pytest.raises(ValueError, match=r"\[rows, 128\] bf16"):
         product(torch.randn(1, 128))
+    with pytest.raises(ValueError, match=r"\[rows, 128\] fp32"):
+        native.BlockProduct.affine(u, scale, minimum, 4, torch.float32)(torch.randn(1, 128).bfloat16())
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        native.BlockProduct.affine(u, scale, minimum, 4, torch.float16)
     with pytest.raises(ValueError, match=r"\[rows, 128\] bf16"):
         product(torch.randn(1, 64).bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dim", native_ir.HEAD_DIMS)
-def test_decode_attention_reads_the_pool_in_place(dim):
+def test_decode_attention_reads_the_pool_in_place(dim, dtype):
     """Against fp32 softmax attention over the gathered K/V: sequences of different lengths (one
     of a single key), grouped query heads, q rows strided as in the layer loop's rotated tensor."""
     torch.manual_seed(dim)
     heads, kv_heads = 6, 2
-    pool = torch.randn(900, 2 * kv_heads, dim).bfloat16()
+    pool = torch.randn(900, 2 * kv_heads, dim).to(dtype)
     lengths = [1, 130, 517]
     longest = max(lengths)
     slots = torch.zeros(len(lengths), longest, dtype=torch.int64)  # padding reads slot 0
     for b, n in enumerate(lengths):
         slots[b, :n] = torch.randperm(899)[:n] + 1
-    rotated = torch.randn(len(lengths), heads + 2 * kv_heads, dim).bfloat16()
+    rotated = torch.randn(len(lengths), heads + 2 * kv_heads, dim).to(dtype)
     q = rotated[:, :heads]
     scale = dim**-0.5
     got = native.decode_attention(q, pool, slots.flatten(), torch.tensor(lengths), kv_heads, scale)
-    assert got.shape == (len(lengths), heads * dim) and got.dtype == torch.bfloat16
+    assert got.shape == (len(lengths), heads * dim) and got.dtype == dtype
+    tol = 8e-3 if dtype == torch.bfloat16 else 2e-5
     for b, n in enumerate(lengths):
         kv = pool[slots[b, :n]].float()
         k, v = kv[:, :kv_heads].transpose(0, 1), kv[:, kv_heads:].transpose(0, 1)  # [kv_heads, n, d]
         group = q[b].float().view(kv_heads, heads // kv_heads, dim)
         ref = torch.softmax(group @ k.transpose(1, 2) * scale, -1) @ v
-        assert torch.allclose(got[b].float(), ref.reshape(-1), atol=8e-3, rtol=8e-3)
+        assert torch.allclose(got[b].float(), ref.reshape(-1), atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="head size"):
-        native.decode_attention(q.float(), pool, slots.flatten(), torch.tensor(lengths), kv_heads, scale)
+        native.decode_attention(q.half(), pool, slots.flatten(), torch.tensor(lengths), kv_heads, scale)
     with pytest.raises(ValueError, match="int64 slots"):
         native.decode_attention(q, pool, slots.flatten().int(), torch.tensor(lengths), kv_heads, scale)

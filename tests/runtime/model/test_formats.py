@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.quant import fp16_available
 from radixlm.runtime.model.formats import auto_dense_above, choose_dtype, choose_quantization, cpu_flags
 
@@ -69,10 +70,16 @@ def test_quantization_table(requested, device, dtype, four_bit, method, dense_ab
 
 @pytest.mark.skipif(not fp16_available(), reason="this torch has no FBGEMM fp16 linear for this processor")
 def test_fp32_chosen_for_want_of_native_bf16_runs_fp16_weights():
-    """Any model, 4-bit GGUF or not: fp16 weights in FBGEMM's fp16 GEMM, no dense copy."""
-    for four_bit in (True, False):
-        choice = choose_quantization("auto", "cpu", "float32", four_bit, auto_dtype=True)
-        assert (choice.method, choice.dense_above) == ("fp16", None) and "FBGEMM" in choice.reason
+    """A model that is not 4-bit GGUF blocks: fp16 weights in FBGEMM's fp16 GEMM, no dense copy;
+    a 4-bit GGUF also, where the native kernels do not run."""
+    choice = choose_quantization("auto", "cpu", "float32", False, auto_dtype=True)
+    assert (choice.method, choice.dense_above) == ("fp16", None) and "FBGEMM" in choice.reason
+    choice = choose_quantization("auto", "cpu", "float32", True, auto_dtype=True)
+    if native.available():
+        assert (choice.method, choice.dense_above) == ("q4", auto_dense_above("float32"))
+        assert f"native {native.isa()} kernels" in choice.reason and "fp16 copy" in choice.reason
+    else:
+        assert (choice.method, choice.dense_above) == ("fp16", None)
     assert choose_quantization("auto", "cpu", "float32", True, dense_above=4, auto_dtype=True).dense_above == 4
     assert choose_quantization("fp16", "cpu", "float32", False).method == "fp16"
     with pytest.raises(ValueError, match="--dtype float32"):

@@ -95,8 +95,8 @@ class TorchAttention:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        # decode attention reads a bf16 host pool in place on the native kernels, where they run
-        self.native = (pool.kv_layers is not None and pool.kv_layers[0].dtype == torch.bfloat16
+        # decode attention reads a bf16 or fp32 host pool in place on the native kernels, where they run
+        self.native = (pool.kv_layers is not None and pool.kv_layers[0].dtype in (torch.bfloat16, torch.float32)
                        and head_dim in native_ir.HEAD_DIMS and native.available())
         self.blocks = blocked_prompts(pool.k.dtype, pool.k.device)
 
