@@ -1,7 +1,7 @@
 """The CPU's block-quantized products, compiled at start by LLVM (the llvmlite wheel brings it, so a
 user's machine needs no compiler): 4-bit (GGUF Q4_1/Q4_0/Q4_K) and 8-bit (Q8_0) weight blocks
 times int8 activation blocks in integers, as llama.cpp multiplies at batch 1: through AVX-512
-VNNI where the processor has it with bf16, else through AVX2. torch's own int4 kernel converts
+VNNI where the processor has it, else through AVX2. torch's own int4 kernel converts
 each weight to a float and stays compute-bound (~16 GB/s on a Zen 4 core pair), and has no fast
 path for fp32 activations at all; these read the weights at the memory's speed. The IR and its
 layout: native_ir.py.
@@ -66,7 +66,7 @@ def isa() -> str | None:
 
 def available() -> bool:
     """Whether this process can use the kernels: llvmlite importable, a processor with AVX-512
-    VNNI and bf16 or with AVX2, and not turned off (RADIXLM_NATIVE=0)."""
+    VNNI or with AVX2, and not turned off (RADIXLM_NATIVE=0)."""
     return isa() is not None
 
 
@@ -151,8 +151,8 @@ def library(isa_name: str | None = None) -> _Library:
     """The compiled kernels for `isa_name`, by default this process's (`isa()`)."""
     chosen = isa_name or isa()
     if chosen is None:
-        raise RuntimeError("the native block products need llvmlite and a processor with AVX-512 VNNI and bf16 "
-                           "or with AVX2 (and RADIXLM_NATIVE not 0)")
+        raise RuntimeError("the native block products need llvmlite and a processor with AVX-512 VNNI or with "
+                           "AVX2 (and RADIXLM_NATIVE not 0)")
     return _library_for(chosen)
 
 

@@ -32,8 +32,9 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 AUTO_DENSE_ABOVE = 4
 NATIVE_DENSE_ABOVE = 16
 # With fp32 activations (no native bf16) the dense copy is FBGEMM's fp16 GEMM, which the native
-# kernels beat up to 4 rows and lose to from ~8 (Ice Lake, 2 threads: one layer's products 1.4x
-# faster at 4 rows, 0.5-0.7x at 16; docs/benchmarks.md, "Native kernels without native bf16").
+# kernels beat up to 4 rows and lose to from ~8 (Ice Lake, 2 threads, weights cold: 30 layers'
+# products 24.8 against 28.9 ms at 4 rows, 31.1 / 28.9 at 8, 82.7 / 59.0 at 16; docs/benchmarks.md,
+# "Native kernels without native bf16").
 NATIVE_FP32_DENSE_ABOVE = 4
 
 
