@@ -31,11 +31,11 @@ MAX_ROWS = 4  # activation rows one call multiplies (each weight chunk read once
 BUSY_ROWS = 32  # steps of up to this many rows on the kernels run as one busy stretch (native.busy)
 CHUNK_BYTES = {4: 40, 8: 72}
 SPIN_BUSY = 200_000  # pause loops a worker spins for the next product while a forward pass is busy
-SPIN_IDLE = 64
+SPIN_IDLE = 64  # ... and otherwise, before it sleeps
 # a chunk's loads prefetch the weights this many bytes (times the rows an iteration) ahead: on a
 # 2-core Ice Lake the default model's 121 products of a bs1 step took 12.0 instead of 16.5 ms
 # with 2048 (1024-8192 alike), the hardware prefetcher alone not keeping up with short rows
-PREFETCH = 2048  # ... and otherwise, before it sleeps
+PREFETCH = 2048
 
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY = 0, 8, 9
