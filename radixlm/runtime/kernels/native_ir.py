@@ -294,7 +294,7 @@ def _row_loop(bits: int, m: int, act: str, isa: str, t: str, together: int, firs
                   f"  br i1 %rows{t}, label %row{t}, label %{after}"]
 
 
-def rows_together(m: int, isa: str) -> int:
+def _rows_together(m: int, isa: str) -> int:
     """Output rows an iteration of the products of m activation rows: two where the registers
     hold both rows' sums (AVX-512's 32 vector registers; AVX2's 16 for up to 2 activation rows)."""
     return 2 if isa == "avx512" or m <= 2 else 1
@@ -302,8 +302,8 @@ def rows_together(m: int, isa: str) -> int:
 
 def _rows(bits: int, m: int, act: str, isa: str) -> str:
     """rows_{act}_{bits}_{m}(w, aq, asc, y, n0, n1, nch, n): output rows n0..n1 of m activation
-    rows, written as `act`: `rows_together` rows an iteration, then the odd row alone."""
-    together = rows_together(m, isa)
+    rows, written as `act`: `_rows_together` rows an iteration, then the odd row alone."""
+    together = _rows_together(m, isa)
     out = [f"define void @rows_{act}_{bits}_{m}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %n0, i64 %n1, "
            "i64 %nch, i64 %n) {",
            "entry:",

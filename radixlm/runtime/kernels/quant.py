@@ -74,8 +74,7 @@ def _with_dense_copy(layer: WeightOnlyLinear, weight: torch.Tensor, dtype: torch
                      keep_dense: bool) -> WeightOnlyLinear:
     """A layer quantized from the float `weight`, given that weight as its dense copy if asked."""
     if keep_dense:
-        fp16 = isinstance(layer, NativeBlockLinear) and dtype == torch.float32 and fp16_available()
-        layer.dense = Fp16Linear(weight, layer.bias) if fp16 else DenseLinear(weight.to(dtype), layer.bias)
+        layer.dense = layer.dense_copy(weight.to(dtype), layer.bias)
     return layer
 
 
@@ -90,8 +89,13 @@ class WeightOnlyLinear(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # (packed for oneDNN where the processor multiplies bf16: radixlm.runtime.kernels.packed)
-        self.dense: DenseLinear | WeightOnlyLinear | None = None if dense is None else DenseLinear(dense, bias)
+        self.dense: DenseLinear | WeightOnlyLinear | None = None if dense is None else self.dense_copy(dense, bias)
         self.dense_above = dense_above
+
+    def dense_copy(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear | WeightOnlyLinear:
+        """The layer's dense copy of `weight` (the activations' dtype), which multiplies steps of
+        more than `dense_above` rows."""
+        return DenseLinear(weight, bias)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -247,13 +251,14 @@ class NativeBlockLinear(WeightOnlyLinear):
 
     def __init__(self, product: BlockProduct, method: str, bias: torch.Tensor | None = None,
                  dense: torch.Tensor | None = None, dense_above: int | None = None) -> None:
-        fp16_copy = dense is not None and dense.dtype == torch.float32 and fp16_available()
-        super().__init__(product.n, product.k, bias, None if fp16_copy else dense, dense_above)
-        if fp16_copy:
-            assert dense is not None
-            self.dense = Fp16Linear(dense, self.bias)
+        super().__init__(product.n, product.k, bias, dense, dense_above)
         self.product = product
         self.method = method
+
+    def dense_copy(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear | WeightOnlyLinear:
+        if weight.dtype == torch.float32 and fp16_available():
+            return Fp16Linear(weight, bias)
+        return super().dense_copy(weight, bias)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)

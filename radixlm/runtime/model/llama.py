@@ -41,7 +41,7 @@ def host_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     In bf16 and fp32 the norm is LayerNorm's fused kernel over [x, -x]: that row's mean is zero
     and its variance is mean(x^2), so its first half is x / sqrt(mean(x^2) + eps), computed in
     fp32 (and rounded once to bf16, as HF's RMSNorm rounds it); ~10 instead of ~16 us a call at
-    one row in bf16 and ~8 instead of ~50 in fp32 (`F.rms_norm` runs as six separate ops on the
+    one row in bf16 and ~13 instead of ~20 in fp32 (`F.rms_norm` runs as six separate ops on the
     CPU), 61 calls a step in the default model. In bf16 the results equal HF's formula except a
     few elements in 10^5 (at most 1 in 10^3), each one bf16 step apart; in fp32 they are within
     a few fp32 steps of it: the kernel's fp32 mean and variance round differently
