@@ -22,6 +22,8 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,7 +86,8 @@ class _Library:
             features = ",".join("-" + f[1:] if f[1:].startswith(("avx512", "amx")) else f for f in features.split(","))
         self.isa = isa
         self.machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=features, opt=3)
-        module = llvm.parse_assembly(native_ir.module_ir(isa))
+        self.omp = isa in native_ir.TILE_ISAS and _bind_openmp(llvm)
+        module = llvm.parse_assembly(native_ir.module_ir(isa, omp=self.omp))
         module.verify()
         builder = llvm.create_pass_builder(self.machine, llvm.create_pipeline_tuning_options(speed_level=3))
         builder.getModulePassManager().run(module, builder)
@@ -96,6 +99,11 @@ class _Library:
         self.attention = ctypes.CFUNCTYPE(None, p, p, i, p, i, p, i, p, p, i, i, i, ctypes.c_float, p, i, i, i, i)(
             address("attention"))
         self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
+        self.tiles = (ctypes.CFUNCTYPE(None, p, p, p, p, i, i, i, p, p, i)(address("tiles"))
+                      if isa in native_ir.TILE_ISAS else None)
+        # the tiled products' quantized activations and their scales (grown to the most rows seen)
+        self.tile_values = torch.empty(0, dtype=torch.int8)
+        self.tile_scales = torch.empty(0, dtype=torch.float32)
         self.worker = ctypes.CFUNCTYPE(None, p, i)(address("worker"))
         self.wake = ctypes.CFUNCTYPE(None, p, i)(address("wake"))
         self.control = torch.zeros(native_ir.CONTROL_SLOTS, dtype=torch.int64)
@@ -137,6 +145,28 @@ class _Library:
         for thread in self.threads:
             thread.join(timeout=1.0)
         self.threads, self.threads_started = [], False
+
+
+OPENMP_SYMBOLS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+
+
+def _bind_openmp(llvm: Any) -> bool:
+    """Give the JIT the OpenMP runtime torch runs its ops on (the libgomp this process loaded),
+    so that the tiled products can run on torch's own threads; False where none is loaded."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    paths = sorted({line.split()[-1] for line in maps.splitlines() if "libgomp" in line.split()[-1]})
+    if not paths:
+        return False
+    try:
+        runtime = ctypes.CDLL(paths[0])
+        for name in OPENMP_SYMBOLS:
+            llvm.add_symbol(name, ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 @functools.cache
@@ -193,15 +223,43 @@ def pack_blocks(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bit
     return torch.cat([ints, scales.view(torch.uint8)], -1).contiguous().view(n, chunks * native_ir.CHUNK_BYTES[bits])
 
 
+def pack_tiles(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int) -> torch.Tensor:
+    """The tiled products' layout of the same blocks (w = scale * u + minimum per 32 along K):
+    per TILE_N output rows, per block of 32, the rows' integers as `vpdpbusd` takes them with one
+    activation broadcast (4 consecutive weights of each row in turn; 4-bit: a 64-byte load holds
+    weights 8p..8p+3 in its low nibbles and 8p+4..8p+7 in its high ones), then the 16 rows' fp16
+    scales and 16 minimums. Returns [N / TILE_N, K / 32 * TILE_BYTES] uint8."""
+    n, k = u.shape
+    if n % native_ir.TILE_N or k % native_ir.CHUNK or scale.shape != (n, k // GROUP) or minimum.shape != scale.shape:
+        raise ValueError(f"tiled block weights need N divisible by {native_ir.TILE_N}, K by {native_ir.CHUNK} and "
+                         f"one scale/minimum per {GROUP}; got {tuple(u.shape)} with scales {tuple(scale.shape)}")
+    tiles, blocks = n // native_ir.TILE_N, k // GROUP
+    q = u.to(torch.uint8).view(tiles, native_ir.TILE_N, blocks, GROUP)
+    if bits == 4:  # [tile, block, load, row, nibble, weight]
+        q = q.view(tiles, native_ir.TILE_N, blocks, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)
+        ints = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(tiles, blocks, -1)
+    else:  # [tile, block, quad, row, weight]
+        ints = q.view(tiles, native_ir.TILE_N, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
+    scales = torch.stack([scale.view(tiles, native_ir.TILE_N, blocks), minimum.view(tiles, native_ir.TILE_N, blocks)])
+    scales = scales.permute(1, 3, 0, 2).half().contiguous().view(torch.uint8).view(tiles, blocks, -1)
+    return torch.cat([ints, scales], -1).contiguous().view(tiles, blocks * native_ir.TILE_BYTES[bits])
+
+
+def tiles_available(isa_name: str | None = None) -> bool:
+    """Whether the tiled products of many rows run here (AVX-512 VNNI)."""
+    return (isa_name or isa()) in native_ir.TILE_ISAS
+
+
 ACT_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
 class BlockProduct:
     """y = x @ W^T for W held in the kernels' layout; x [rows, K] -> y [rows, N], both `dtype`
-    (bf16 or fp32)."""
+    (bf16 or fp32). With `tiles` (the same weights in `pack_tiles`'s layout) a call of more than
+    MAX_ROWS rows runs the tiled product; without, MAX_ROWS rows at a time."""
 
     def __init__(self, packed: torch.Tensor, n: int, k: int, bits: int, dtype: torch.dtype = torch.bfloat16,
-                 isa_name: str | None = None) -> None:
+                 isa_name: str | None = None, tiles: torch.Tensor | None = None) -> None:
         if dtype not in ACT_DTYPES.values():
             raise ValueError(f"the native product takes bf16 or fp32 activations, not {dtype}")
         self.lib = library(isa_name)
@@ -214,18 +272,29 @@ class BlockProduct:
                   "asci": self.act_scales.data_ptr(), "n": n, "nch": chunks, "f32": int(dtype == torch.float32)}
         self.descriptor = torch.tensor([fields[f] for f in native_ir.DESC_FIELDS], dtype=torch.int64)
         self.descriptor_address = self.descriptor.data_ptr()
+        self.tiles = tiles
+        if tiles is not None:
+            if self.lib.tiles is None:
+                raise ValueError(f"the tiled products need AVX-512 VNNI; these kernels are {self.lib.isa}")
+            fields["wi"] = tiles.data_ptr()
+            self.tile_descriptor = torch.tensor([fields[f] for f in native_ir.DESC_FIELDS], dtype=torch.int64)
 
     @classmethod
     def affine(cls, u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
-               dtype: torch.dtype = torch.bfloat16, isa_name: str | None = None) -> BlockProduct:
+               dtype: torch.dtype = torch.bfloat16, isa_name: str | None = None, tiled: bool = False) -> BlockProduct:
+        """`tiled`: also hold the tiled layout, where the kernels and the shape allow it."""
         n, k = u.shape
-        return cls(pack_blocks(u, scale, minimum, bits), n, k, bits, dtype, isa_name)
+        tiles = (pack_tiles(u, scale, minimum, bits)
+                 if tiled and tiles_available(isa_name) and n % native_ir.TILE_N == 0 else None)
+        return cls(pack_blocks(u, scale, minimum, bits), n, k, bits, dtype, isa_name, tiles)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.k:
             raise ValueError(f"the native product takes [rows, {self.k}] {_name(self.dtype)}; got "
                              f"{tuple(x.shape)} {x.dtype}")
         rows = x.shape[0]
+        if rows > native_ir.MAX_ROWS and self.tiles is not None:
+            return self._tiled(x)
         if rows > native_ir.MAX_ROWS or rows == 0:
             return self._in_turn(x)
         x = x.contiguous()
@@ -236,6 +305,27 @@ class BlockProduct:
                 lib.start()
             lib.product(lib.control_address, self.descriptor_address, x.data_ptr(), y.data_ptr(), rows, lib.workers)
         return y
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """The tiled product: the rows padded to a multiple of TILE_M (zero activations), the
+        output's padding rows cut off."""
+        x = x.contiguous()
+        rows = x.shape[0]
+        padded = -(-rows // native_ir.TILE_M) * native_ir.TILE_M
+        y = torch.empty((padded, self.n), dtype=self.dtype)
+        lib = self.lib
+        with lib.lock:
+            if lib.tile_values.numel() < padded * self.k:
+                lib.tile_values = torch.empty(padded * self.k, dtype=torch.int8)
+                lib.tile_scales = torch.empty(padded * self.k // GROUP * 2, dtype=torch.float32)
+            if not lib.threads_started:
+                lib.start()
+            assert lib.tiles is not None
+            # outside a busy stretch torch's OpenMP threads spin between its ops: run on them
+            omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
+            lib.tiles(lib.control_address, self.tile_descriptor.data_ptr(), x.data_ptr(), y.data_ptr(), rows,
+                      padded, lib.workers, lib.tile_values.data_ptr(), lib.tile_scales.data_ptr(), omp)
+        return y[:rows]
 
     def _in_turn(self, x: torch.Tensor) -> torch.Tensor:
         """More rows than one call takes: MAX_ROWS at a time (each reads the weights again); none:

@@ -37,11 +37,21 @@ SPIN_IDLE = 64  # ... and otherwise, before it sleeps
 # with 2048 (1024-8192 alike), the hardware prefetcher alone not keeping up with short rows
 PREFETCH = 2048
 
+# the tiled products of many rows (AVX-512 VNNI only): TILE_N output rows by TILE_M activation rows
+# at a time, the weights stored tile by tile (per block of 32 along K: TILE_N rows' integers laid
+# out for `vpdpbusd` with one activation broadcast, then their fp16 scales and minimums)
+TILE_N, TILE_M = 16, 8
+TILE_BYTES = {4: TILE_N * 32 // 2 + 4 * TILE_N, 8: TILE_N * 32 + 4 * TILE_N}
+TILE_ISAS = ("avx512",)
+TILE_CACHE = 196_608  # bytes of int8 activations a stretch of rows takes (a thread's L2 keeps them)
+
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY = 0, 8, 9
 JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
-PRODUCT, ATTENTION = 0, 1
+PRODUCT, ATTENTION, TILES, QUANTIZE = 0, 1, 2, 3
 PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
+TILE_FIELDS = ("op", "desci", "mpad", "yi", "parts", "taqi", "tasci")
+QUANTIZE_FIELDS = ("op", "xi", "qaqi", "qasci", "parts", "chunks", "f32")  # (parts: 5th, as run_on reads it)
 DESC_FIELDS = ("bits", "wi", "aqi", "asci", "n", "nch", "f32")  # a matrix's descriptor (int64s)
 ISAS = ("avx512", "avx2")  # the instruction sets the products are written for
 ACTS = ("bf16", "f32")  # the activation dtypes they take and write
@@ -82,6 +92,9 @@ declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare float @llvm.maxnum.f32(float, float)
 declare float @llvm.floor.f32(float)
 declare i64 @syscall(i64, ...)
+declare i64 @llvm.umin.i64(i64, i64)
+declare i64 @llvm.umax.i64(i64, i64)
+declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
 """
 
 
@@ -129,7 +142,7 @@ loop:
   %o = mul i64 %b, 32
 {load}
   %ab = call <32 x float> @llvm.fabs.v32f32(<32 x float> %xf)
-  %mx = call float @llvm.vector.reduce.fmax.v32f32(<32 x float> %ab)
+  %mx = call nnan float @llvm.vector.reduce.fmax.v32f32(<32 x float> %ab)
   %d = fdiv float %mx, 127.0
   %nz = fcmp ogt float %mx, 0.0
   %inv = fdiv float 127.0, %mx
@@ -325,6 +338,297 @@ def _rows(bits: int, m: int, act: str, isa: str) -> str:
     return "\n".join(out + ["exit:", "  ret void", "}"]) + "\n"
 
 
+def _splat_i32(name: str, value: str) -> list[str]:
+    """%name: the i32 `value` in all 16 lanes."""
+    return [f"  %{name}.i = insertelement <16 x i32> poison, i32 {value}, i64 0",
+            f"  %{name} = shufflevector <16 x i32> %{name}.i, <16 x i32> poison, <16 x i32> zeroinitializer"]
+
+
+def _tile_dots(bits: int) -> list[str]:
+    """The integer sums %s{j} of a block of 32 along K: TILE_N weight rows (at %wb) against each of
+    the TILE_M activation rows (at %aqb{j}), one `vpdpbusd` per 4 weights of the 16 rows, the
+    activations' 4 bytes broadcast."""
+    out: list[str] = []
+    last = ["zeroinitializer"] * TILE_M
+    quads: list[tuple[str, int]] = []  # (the weights' <16 x i32>, the quad's first k)
+    for p in range(4 if bits == 4 else 8):
+        out += [f"  %wl{p}.p = getelementptr i8, ptr %wb, i64 {64 * p}"]
+        if bits == 4:  # a load holds k 8p..8p+3 in the low nibbles, 8p+4..8p+7 in the high ones
+            out += [f"  %wl{p} = load <64 x i8>, ptr %wl{p}.p, align 1",
+                    f"  %wlo{p} = and <64 x i8> %wl{p}, {_splat('i8', 64, 15)}",
+                    f"  %whi{p} = lshr <64 x i8> %wl{p}, {_splat('i8', 64, 4)}",
+                    f"  %wq{2 * p} = bitcast <64 x i8> %wlo{p} to <16 x i32>",
+                    f"  %wq{2 * p + 1} = bitcast <64 x i8> %whi{p} to <16 x i32>"]
+            quads += [(f"%wq{2 * p}", 8 * p), (f"%wq{2 * p + 1}", 8 * p + 4)]
+        else:
+            out += [f"  %wq{p} = load <16 x i32>, ptr %wl{p}.p, align 1"]
+            quads += [(f"%wq{p}", 4 * p)]
+    for q, (weights, k) in enumerate(quads):
+        for j in range(TILE_M):
+            out += [f"  %a{j}_{q}.p = getelementptr i8, ptr %aqb{j}, i64 {k}",
+                    f"  %a{j}_{q} = load i32, ptr %a{j}_{q}.p, align 1",
+                    *_splat_i32(f"av{j}_{q}", f"%a{j}_{q}"),
+                    f"  %d{j}_{q} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {last[j]}, "
+                    f"<16 x i32> {weights}, <16 x i32> %av{j}_{q})"]
+            last[j] = f"%d{j}_{q}"
+    return out + [f"  %s{j} = add <16 x i32> {last[j]}, zeroinitializer" for j in range(TILE_M)]
+
+
+def _tile(bits: int, act: str) -> str:
+    """tile_{act}_{bits}(w, aq, asc, y, t0, t1, m, nch, n): output tiles t0..t1 (TILE_N output rows
+    each) of m activation rows (a multiple of TILE_M), in stretches of rows whose int8 values fit
+    TILE_CACHE; each tile of each stretch reads its weights once for TILE_M rows at a time."""
+    tb = TILE_BYTES[bits]
+    scales = tb - 4 * TILE_N
+    out = [f"define void @tile_{act}_{bits}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %t0, i64 %t1, i64 %m, "
+           "i64 %nch, i64 %n) {",
+           "entry:",
+           "  %nb = shl i64 %nch, 1",
+           "  %k = shl i64 %nch, 6",
+           "  %sstride = shl i64 %nch, 2",
+           f"  %tilebytes = mul i64 %nb, {tb}",
+           f"  %fit = udiv i64 {TILE_CACHE}, %k",
+           f"  %fitm = and i64 %fit, {-TILE_M}",
+           f"  %stretch = call i64 @llvm.umax.i64(i64 %fitm, i64 {TILE_M})",
+           "  %notiles = icmp uge i64 %t0, %t1",
+           "  %norows = icmp eq i64 %m, 0",
+           "  %skip = or i1 %notiles, %norows",
+           "  br i1 %skip, label %exit, label %mc",
+           "mc:",
+           "  %mc0 = phi i64 [0, %entry], [%mc1, %mcnext]",
+           "  %mcend = add i64 %mc0, %stretch",
+           "  %mc1 = call i64 @llvm.umin.i64(i64 %mcend, i64 %m)",
+           "  br label %nt",
+           "nt:",
+           "  %t = phi i64 [%t0, %mc], [%t.next, %ntnext]",
+           "  %to = mul i64 %t, %tilebytes",
+           "  %wt = getelementptr i8, ptr %w, i64 %to",
+           f"  %tcol = mul i64 %t, {TILE_N}",
+           "  br label %mt",
+           "mt:",
+           "  %r = phi i64 [%mc0, %nt], [%r.next, %mtnext]"]
+    for j in range(TILE_M):
+        out += [f"  %row{j} = add i64 %r, {j}",
+                f"  %ao{j} = mul i64 %row{j}, %k",
+                f"  %aqr{j} = getelementptr i8, ptr %aq, i64 %ao{j}",
+                f"  %so{j} = mul i64 %row{j}, %sstride",
+                f"  %ascr{j} = getelementptr float, ptr %asc, i64 %so{j}"]
+    out += ["  br label %blk",
+            "blk:",
+            "  %b = phi i64 [0, %mt], [%b.next, %blk]"]
+    out += [f"  %acc{j} = phi <16 x float> [zeroinitializer, %mt], [%accn{j}, %blk]" for j in range(TILE_M)]
+    out += [f"  %bo = mul i64 %b, {tb}",
+            "  %wb = getelementptr i8, ptr %wt, i64 %bo",
+            f"  %pf = getelementptr i8, ptr %wb, i64 {PREFETCH}",
+            "  call void @llvm.prefetch.p0(ptr %pf, i32 0, i32 3, i32 1)",
+            f"  %dsp = getelementptr i8, ptr %wb, i64 {scales}",
+            "  %dsh = load <16 x half>, ptr %dsp, align 2",
+            "  %ds = fpext <16 x half> %dsh to <16 x float>",
+            f"  %msp = getelementptr i8, ptr %wb, i64 {scales + 2 * TILE_N}",
+            "  %msh = load <16 x half>, ptr %msp, align 2",
+            "  %ms = fpext <16 x half> %msh to <16 x float>",
+            "  %ab = shl i64 %b, 5",
+            "  %bpair = lshr i64 %b, 1",
+            "  %bodd = and i64 %b, 1",
+            "  %bs4 = shl i64 %bpair, 2",
+            "  %bsi = add i64 %bs4, %bodd"]
+    for j in range(TILE_M):
+        out += [f"  %aqb{j} = getelementptr i8, ptr %aqr{j}, i64 %ab",
+                f"  %dap{j} = getelementptr float, ptr %ascr{j}, i64 %bsi",
+                f"  %da{j} = load float, ptr %dap{j}, align 4",
+                f"  %sap{j} = getelementptr float, ptr %dap{j}, i64 2",
+                f"  %sa{j} = load float, ptr %sap{j}, align 4"]
+    out += _tile_dots(bits)
+    for j in range(TILE_M):
+        out += [f"  %f{j} = sitofp <16 x i32> %s{j} to <16 x float>",
+                *_broadcast(f"dav{j}", f"%da{j}", 16),
+                f"  %dd{j} = fmul <16 x float> %ds, %dav{j}",
+                f"  %acd{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{j}, <16 x float> %dd{j}, "
+                f"<16 x float> %acc{j})",
+                *_broadcast(f"sav{j}", f"%sa{j}", 16),
+                f"  %accn{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %ms, <16 x float> %sav{j}, "
+                f"<16 x float> %acd{j})"]
+    out += ["  %b.next = add i64 %b, 1",
+            "  %bmore = icmp ult i64 %b.next, %nb",
+            "  br i1 %bmore, label %blk, label %mtnext",
+            "mtnext:"]
+    for j in range(TILE_M):
+        out += [f"  %yr{j} = mul i64 %row{j}, %n", f"  %yo{j} = add i64 %yr{j}, %tcol"]
+        if act == "bf16":
+            out += [*_to_bf16(f"%accn{j}", f"yb{j}", 16),
+                    f"  %yp{j} = getelementptr i16, ptr %y, i64 %yo{j}",
+                    f"  store <16 x i16> %yb{j}, ptr %yp{j}, align 2"]
+        else:
+            out += [f"  %yp{j} = getelementptr float, ptr %y, i64 %yo{j}",
+                    f"  store <16 x float> %accn{j}, ptr %yp{j}, align 4"]
+    out += [f"  %r.next = add i64 %r, {TILE_M}",
+            "  %rmore = icmp ult i64 %r.next, %mc1",
+            "  br i1 %rmore, label %mt, label %ntnext",
+            "ntnext:",
+            "  %t.next = add i64 %t, 1",
+            "  %tmore = icmp ult i64 %t.next, %t1",
+            "  br i1 %tmore, label %nt, label %mcnext",
+            "mcnext:",
+            "  %mmore = icmp ult i64 %mc1, %m",
+            "  br i1 %mmore, label %mc, label %exit",
+            "exit:",
+            "  ret void",
+            "}"]
+    return "\n".join(out) + "\n"
+
+
+def _tiles_part() -> str:
+    """tiles_part(ctl, index): the posted tiled product's output tiles of part `index`, and
+    `tiles`, which quantizes the activations, zeroes the rows that pad them to TILE_M and posts
+    the job."""
+    kinds = [(f32, act, bits) for f32, act in enumerate(ACTS) for bits in TILE_BYTES]
+    cases = " ".join(f"i64 {f32 * 1000 + bits}, label %{act}b{bits}" for f32, act, bits in kinds)
+    blocks = "\n".join(f"{act}b{bits}:\n  call void @tile_{act}_{bits}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %t0, "
+                       "i64 %t1, i64 %mpad, i64 %nch, i64 %n)\n  br label %exit" for f32, act, bits in kinds)
+    return f"""
+define void @tiles_part(ptr %ctl, i64 %index) {{
+entry:
+{_loads("ctl", JOB, TILE_FIELDS)}
+  %desc = inttoptr i64 %desci to ptr
+  %y = inttoptr i64 %yi to ptr
+{_loads("desc", 0, DESC_FIELDS)}
+  %aq = inttoptr i64 %taqi to ptr
+  %asc = inttoptr i64 %tasci to ptr
+  %w = inttoptr i64 %wi to ptr
+  %tiles = lshr i64 %n, {TILE_N.bit_length() - 1}
+{_share("tiles", "t0", "t1")}
+  %f32k = mul i64 %f32, 1000
+  %kind = add i64 %f32k, %bits
+  switch i64 %kind, label %exit [ {cases} ]
+{blocks}
+exit:
+  ret void
+}}
+
+define void @quantize_part(ptr %ctl, i64 %index) {{
+entry:
+{_loads("ctl", JOB, QUANTIZE_FIELDS)}
+{_share("chunks", "c0", "c1")}
+  %b0 = shl i64 %c0, 1
+  %count = sub i64 %c1, %c0
+  %blocks = shl i64 %count, 1
+  %vo = shl i64 %b0, 5
+  %so = shl i64 %c0, 2
+  %aqb = add i64 %qaqi, %vo
+  %aq = inttoptr i64 %aqb to ptr
+  %ascb = shl i64 %so, 2
+  %asca = add i64 %qasci, %ascb
+  %asc = inttoptr i64 %asca to ptr
+  %isf32 = icmp ne i64 %f32, 0
+  br i1 %isf32, label %qf32, label %qbf16
+qf32:
+  %x4 = shl i64 %vo, 2
+  %xa4 = add i64 %xi, %x4
+  %xp4 = inttoptr i64 %xa4 to ptr
+  call void @quantize_f32(ptr %xp4, ptr %aq, ptr %asc, i64 %blocks)
+  ret void
+qbf16:
+  %x2 = shl i64 %vo, 1
+  %xa2 = add i64 %xi, %x2
+  %xp2 = inttoptr i64 %xa2 to ptr
+  call void @quantize_bf16(ptr %xp2, ptr %aq, ptr %asc, i64 %blocks)
+  ret void
+}}
+
+define void @tiles(ptr %ctl, ptr %desc, ptr %x, ptr %y, i64 %m, i64 %mpad, i64 %workers, ptr %aq, ptr %asc,
+                   i64 %omp) {{
+entry:
+  %nchp = getelementptr i64, ptr %desc, i64 5
+  %nch = load i64, ptr %nchp, align 8
+  %f32p = getelementptr i64, ptr %desc, i64 6
+  %f32 = load i64, ptr %f32p, align 8
+  %chunks = mul i64 %m, %nch
+  %ours = add i64 %workers, 1
+  %inomp = icmp ne i64 %omp, 0
+  %parts = select i1 %inomp, i64 %omp, i64 %ours
+  %xi = ptrtoint ptr %x to i64
+  %qaqi = ptrtoint ptr %aq to i64
+  %qasci = ptrtoint ptr %asc to i64
+{_post(QUANTIZE, QUANTIZE_FIELDS)}
+  call void @run_on(ptr %ctl, i64 %workers, i64 %omp)
+  %k = shl i64 %nch, 6
+  %extra = sub i64 %mpad, %m
+  %aqo = mul i64 %m, %k
+  %aqp = getelementptr i8, ptr %aq, i64 %aqo
+  %aqn = mul i64 %extra, %k
+  call void @llvm.memset.p0.i64(ptr %aqp, i8 0, i64 %aqn, i1 false)
+  %sstride = shl i64 %nch, 2
+  %sco = mul i64 %m, %sstride
+  %scp = getelementptr float, ptr %asc, i64 %sco
+  %scf = mul i64 %extra, %sstride
+  %scn = shl i64 %scf, 2
+  call void @llvm.memset.p0.i64(ptr %scp, i8 0, i64 %scn, i1 false)
+  %desci = ptrtoint ptr %desc to i64
+  %yi = ptrtoint ptr %y to i64
+  %taqi = ptrtoint ptr %aq to i64
+  %tasci = ptrtoint ptr %asc to i64
+{_post(TILES, TILE_FIELDS)}
+  call void @run_on(ptr %ctl, i64 %workers, i64 %omp)
+  ret void
+}}
+"""
+
+
+def _run_on(omp: bool) -> str:
+    """run_on(ctl, workers, threads): run the posted job on our workers (threads 0), or on the
+    `threads` of the OpenMP pool that torch's own ops run on (`omp`: the module was given
+    libgomp's GOMP_parallel; otherwise always our workers). Between torch's ops the pool's threads
+    spin for their next region, so a job on our workers would share the cores with them; on the
+    pool itself each part takes the thread numbers it is given, whatever the pool's size."""
+    if not omp:
+        return """
+define void @run_on(ptr %ctl, i64 %workers, i64 %threads) {
+entry:
+  call void @run_job(ptr %ctl, i64 %workers)
+  ret void
+}
+"""
+    return """
+declare void @GOMP_parallel(ptr, ptr, i32, i32)
+declare i32 @omp_get_thread_num()
+declare i32 @omp_get_num_threads()
+
+define internal void @omp_parts(ptr %ctl) {
+entry:
+  %partsp = getelementptr i64, ptr %ctl, i64 """ + str(JOB + TILE_FIELDS.index("parts")) + """
+  %parts = load i64, ptr %partsp, align 8
+  %t = call i32 @omp_get_thread_num()
+  %nt = call i32 @omp_get_num_threads()
+  %first = zext i32 %t to i64
+  %step = zext i32 %nt to i64
+  br label %loop
+loop:
+  %i = phi i64 [%first, %entry], [%i.next, %body]
+  %go = icmp ult i64 %i, %parts
+  br i1 %go, label %body, label %exit
+body:
+  call void @part(ptr %ctl, i64 %i)
+  %i.next = add i64 %i, %step
+  br label %loop
+exit:
+  ret void
+}
+
+define void @run_on(ptr %ctl, i64 %workers, i64 %threads) {
+entry:
+  %inomp = icmp ne i64 %threads, 0
+  br i1 %inomp, label %omp, label %ours
+omp:
+  %n = trunc i64 %threads to i32
+  call void @GOMP_parallel(ptr @omp_parts, ptr %ctl, i32 %n, i32 0)
+  ret void
+ours:
+  call void @run_job(ptr %ctl, i64 %workers)
+  ret void
+}
+"""
+
+
 def _loads(base: str, offset: int, names: tuple[str, ...]) -> str:
     return "\n".join(f"  %{name}.p = getelementptr i64, ptr %{base}, i64 {offset + i}\n"
                      f"  %{name} = load i64, ptr %{name}.p, align 8" for i, name in enumerate(names))
@@ -334,8 +638,8 @@ def _post(op: int, names: tuple[str, ...]) -> str:
     """Store a job into the control block: `op`, then the caller's values %name of the other
     fields, in the order the part functions load them (`_loads`)."""
     values = [str(op)] + [f"%{name}" for name in names[1:]]
-    return "\n".join(f"  %job{i}.p = getelementptr i64, ptr %ctl, i64 {JOB + i}\n"
-                     f"  store i64 {v}, ptr %job{i}.p, align 8" for i, v in enumerate(values))
+    return "\n".join(f"  %job{op}_{i}.p = getelementptr i64, ptr %ctl, i64 {JOB + i}\n"
+                     f"  store i64 {v}, ptr %job{op}_{i}.p, align 8" for i, v in enumerate(values))
 
 
 def _share(total: str, first: str, last: str) -> str:
@@ -378,10 +682,13 @@ exit:
 """
 
 
-def _threads() -> str:
+def _threads(tiles: bool) -> str:
     """worker(ctl, i): run part i + 1 of each job until `stop` (every job since the control block
     was zeroed: a worker that starts after the first job was posted still runs it); run_job: post
-    a job, run part 0, wait for the workers."""
+    a job, run part 0, wait for the workers. `tiles`: the module has the tiled products."""
+    tiles_case = f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize " if tiles else ""
+    tiles_block = ("tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
+                   "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void") if tiles else ""
     return f"""
 define void @worker(ptr %ctl, i64 %i) {{
 entry:
@@ -515,8 +822,8 @@ define void @part(ptr %ctl, i64 %index) {{
 entry:
   %opp = getelementptr i64, ptr %ctl, i64 {JOB}
   %op = load i64, ptr %opp, align 8
-  %isproduct = icmp eq i64 %op, {PRODUCT}
-  br i1 %isproduct, label %product, label %attention
+  switch i64 %op, label %attention [ i64 {PRODUCT}, label %product {tiles_case}]
+{tiles_block}
 product:
   call void @product_part(ptr %ctl, i64 %index)
   ret void
@@ -742,11 +1049,14 @@ exit:
 """
 
 
-def module_ir(isa: str = "avx512") -> str:
-    """The module for processors with `isa` (one of ISAS)."""
+def module_ir(isa: str = "avx512", omp: bool = False) -> str:
+    """The module for processors with `isa` (one of ISAS); `omp`: the tiled products may run on
+    the OpenMP pool (GOMP_parallel, omp_get_thread_num and omp_get_num_threads resolve)."""
     if isa not in ISAS:
         raise ValueError(f"unknown instruction set {isa!r}; choose one of {', '.join(ISAS)}")
     rows = "".join(_rows(bits, m, act, isa) for act in ACTS for bits in CHUNK_BYTES for m in range(1, MAX_ROWS + 1))
     attention = _exp2() + "".join(_attend(d, act) for act in ACTS for d in HEAD_DIMS) + _attention_part()
     quantize = "".join(_quantize(act) for act in ACTS)
-    return _DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + _threads()
+    tiles = ("".join(_tile(bits, act) for act in ACTS for bits in TILE_BYTES) + _tiles_part() + _run_on(omp)
+             if isa in TILE_ISAS else "")
+    return _DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _threads(bool(tiles))

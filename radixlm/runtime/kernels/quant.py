@@ -245,9 +245,10 @@ class NativeBlockLinear(WeightOnlyLinear):
     multiplies at batch 1: the weights read at the memory's speed, where torch's int4 kernel
     converts each to a float. Used in place of `Int4Linear` / `Int8BlockLinear` where the
     processor runs them (`native.available()`: AVX-512 VNNI or AVX2), for bf16 or fp32
-    activations. With fp32 activations a dense copy is held as fp16 in FBGEMM's GEMM where this
-    torch has it (faster than a fp32 matmul at every step shape on a processor without native
-    bf16; `Fp16Linear`)."""
+    activations. A layer without a dense copy also holds its weights tiled for steps of more than
+    4 rows where AVX-512 VNNI runs them (`native.pack_tiles`; 1.4-1.7x FBGEMM's fp16 GEMM from 8 to
+    1,024 rows on an Ice Lake, docs/benchmarks.md); with fp32 activations a dense copy is held as
+    fp16 in FBGEMM's GEMM where this torch has it (`Fp16Linear`)."""
 
     def __init__(self, product: BlockProduct, method: str, bias: torch.Tensor | None = None,
                  dense: torch.Tensor | None = None, dense_above: int | None = None) -> None:
@@ -269,19 +270,24 @@ class NativeBlockLinear(WeightOnlyLinear):
     @classmethod
     def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
                     bias: torch.Tensor | None = None, keep_dense: bool = False,
-                    dense_above: int | None = None) -> NativeBlockLinear:
-        """From w = scale * q + minimum per group, q in 0..15 (GGUF Q4_1; Q4_0 and Q4_K map onto it)."""
+                    dense_above: int | None = None, tiled: bool | None = None) -> NativeBlockLinear:
+        """From w = scale * q + minimum per group, q in 0..15 (GGUF Q4_1; Q4_0 and Q4_K map onto it).
+        `tiled`: hold the tiled layout too (None: where no dense copy is kept)."""
         dense = _dequantized(q, scale, minimum, dtype) if keep_dense else None
-        product = BlockProduct.affine(q, scale.float(), minimum.float(), bits=4, dtype=dtype)
+        product = BlockProduct.affine(q, scale.float(), minimum.float(), bits=4, dtype=dtype,
+                                      tiled=not keep_dense if tiled is None else tiled)
         return cls(product, "q4", _opt(bias, dtype), dense, dense_above)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
-                    keep_dense: bool = False, dense_above: int | None = None) -> NativeBlockLinear:
-        """From w = scale * q per group, q in -128..127 (GGUF Q8_0): u = q + 128, minimum -128 scale."""
+                    keep_dense: bool = False, dense_above: int | None = None,
+                    tiled: bool | None = None) -> NativeBlockLinear:
+        """From w = scale * q per group, q in -128..127 (GGUF Q8_0): u = q + 128, minimum -128 scale;
+        `tiled` as in `from_affine`."""
         s = scale.float()
         dense = _dequantized(q, s, None, dtype) if keep_dense else None
-        product = BlockProduct.affine(q.to(torch.int32) + 128, s, -128 * s, bits=8, dtype=dtype)
+        product = BlockProduct.affine(q.to(torch.int32) + 128, s, -128 * s, bits=8, dtype=dtype,
+                                      tiled=not keep_dense if tiled is None else tiled)
         return cls(product, "q8_0", _opt(bias, dtype), dense, dense_above)
 
 
@@ -294,26 +300,33 @@ def uses_native(dtype: torch.dtype, in_features: int) -> bool:
 
 def four_bit_linear(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
                     bias: torch.Tensor | None = None, keep_dense: bool = False,
-                    dense_above: int | None = None) -> WeightOnlyLinear:
+                    dense_above: int | None = None, tiled: bool | None = None) -> WeightOnlyLinear:
     """A layer of 4-bit blocks (w = scale * q + minimum, q in 0..15): native kernels where they
-    run, else torch's int4 kernel."""
-    make = NativeBlockLinear.from_affine if uses_native(dtype, q.shape[1]) else Int4Linear.from_affine
-    return make(q, scale, minimum, dtype, bias, keep_dense=keep_dense, dense_above=dense_above)
+    run (tiled for many rows unless a dense copy serves those: `tiled` None), else torch's int4
+    kernel."""
+    if uses_native(dtype, q.shape[1]):
+        return NativeBlockLinear.from_affine(q, scale, minimum, dtype, bias, keep_dense=keep_dense,
+                                             dense_above=dense_above, tiled=tiled)
+    return Int4Linear.from_affine(q, scale, minimum, dtype, bias, keep_dense=keep_dense, dense_above=dense_above)
 
 
 def eight_bit_linear(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
-                     keep_dense: bool = False, dense_above: int | None = None) -> WeightOnlyLinear:
-    """A layer of 8-bit blocks (w = scale * q, q in -128..127): native kernels where they run,
-    else torch's int4 kernel as two halves."""
-    make = NativeBlockLinear.from_blocks if uses_native(dtype, q.shape[1]) else Int8BlockLinear.from_blocks
-    return make(q, scale, dtype, bias, keep_dense=keep_dense, dense_above=dense_above)
+                     keep_dense: bool = False, dense_above: int | None = None,
+                     tiled: bool | None = None) -> WeightOnlyLinear:
+    """A layer of 8-bit blocks (w = scale * q, q in -128..127): native kernels where they run
+    (tiled as in `four_bit_linear`), else torch's int4 kernel as two halves."""
+    if uses_native(dtype, q.shape[1]):
+        return NativeBlockLinear.from_blocks(q, scale, dtype, bias, keep_dense=keep_dense, dense_above=dense_above,
+                                             tiled=tiled)
+    return Int8BlockLinear.from_blocks(q, scale, dtype, bias, keep_dense=keep_dense, dense_above=dense_above)
 
 
 def q8_from_float(weight: torch.Tensor, dtype: torch.dtype, keep_dense: bool = False,
                   dense_above: int | None = None) -> WeightOnlyLinear:
     """A float [N, K] weight as 8-bit blocks of 32 (as Q8_0), the weight itself as the dense copy."""
     q, scales = q8_0_of(weight)
-    return _with_dense_copy(eight_bit_linear(q, scales, dtype, dense_above=dense_above), weight, dtype, keep_dense)
+    layer = eight_bit_linear(q, scales, dtype, dense_above=dense_above, tiled=not keep_dense)
+    return _with_dense_copy(layer, weight, dtype, keep_dense)
 
 
 def q4_from_float(weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -321,7 +334,7 @@ def q4_from_float(weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor |
     """--quantization q4 of a float [N, K] weight: per group of 32 between its min and max (as
     Q4_1), the weight itself as the dense copy."""
     q, scale, lo = q4_1_of(weight)
-    layer = four_bit_linear(q, scale, lo, dtype, bias, dense_above=dense_above)
+    layer = four_bit_linear(q, scale, lo, dtype, bias, dense_above=dense_above, tiled=not keep_dense)
     return _with_dense_copy(layer, weight, dtype, keep_dense)
 
 

@@ -32,9 +32,10 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 AUTO_DENSE_ABOVE = 4
 NATIVE_DENSE_ABOVE = 16
 # With fp32 activations (no native bf16) the dense copy is FBGEMM's fp16 GEMM, which the native
-# kernels beat up to 4 rows and lose to from ~8 (Ice Lake, 2 threads, weights cold: 30 layers'
+# row kernels beat up to 4 rows and lose to from ~8 (Ice Lake, 2 threads, weights cold: 30 layers'
 # products 24.8 against 28.9 ms at 4 rows, 31.1 / 28.9 at 8, 82.7 / 59.0 at 16; docs/benchmarks.md,
-# "Native kernels without native bf16").
+# "Native kernels without native bf16"). Where AVX-512 VNNI runs the tiled products there is no
+# dense copy: they beat FBGEMM's fp16 GEMM at every row count from 5 ("Tiled products").
 NATIVE_FP32_DENSE_ABOVE = 4
 
 
@@ -114,7 +115,7 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     """Whether linear weights stay quantized. `gguf_four_bit`: the model comes from a GGUF whose
     linear weights are mostly Q4_0/Q4_1/Q4_K; `dense_above`: --quant-dense-above, if given;
     `auto_dtype`: --dtype auto chose `dtype` (an fp32 asked for runs dense fp32 weights)."""
-    from radixlm.runtime.kernels import native
+    from radixlm.runtime.kernels import native, native_ir
     from radixlm.runtime.kernels.quant import QUANT_METHODS, fp16_available
 
     on_cuda = device.startswith("cuda")
@@ -134,6 +135,10 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
         return QuantChoice("none", None, "CUDA runs dense bf16 weights (its triton kernels)")
     not_four_bit = QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
     kernels = f"the native {native.isa()} kernels" if native.available() else "torch's int4 kernel"
+    if dtype == "float32" and auto_dtype and gguf_four_bit and native.tiles_available() and dense_above is None:
+        return QuantChoice("q4", None, f"no native bf16: the GGUF's 4-bit weights, used as they are at every step "
+                                       f"({kernels}, fp32 activations; tiled above {native_ir.MAX_ROWS} rows, "
+                                       "no dense copy)")
     if dtype == "float32" and auto_dtype and gguf_four_bit and native.available():
         rows = auto_dense_above(dtype) if dense_above is None else dense_above
         copy = "an fp16 copy in FBGEMM's GEMM" if fp16_available() else "a dense fp32 copy"

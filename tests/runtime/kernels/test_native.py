@@ -91,6 +91,46 @@ def test_rows_are_the_same_alone_in_a_batch_and_across_threads():
     assert torch.equal(busy, together)
 
 
+TILED = pytest.mark.skipif(not native.tiles_available(), reason="the tiled products need AVX-512 VNNI")
+
+
+@TILED
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [5, 8, 13, 40])
+def test_tiled_product_is_the_int8_block_arithmetic(dtype, bits, rows):
+    """More than MAX_ROWS rows on the tiled layout (rows padded to TILE_M, the padding cut off):
+    the same arithmetic as the row kernels, on the caller's threads and on torch's OpenMP pool."""
+    n, k = 208, 320
+    u, scale, minimum = _blocks(bits, n, k, seed=bits * 10 + rows)
+    product = native.BlockProduct.affine(u, scale, minimum, bits, dtype, tiled=True)
+    assert product.tiles is not None and product.tiles.shape == (n // 16, k // 32 * native_ir.TILE_BYTES[bits])
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    x[0, :32] = 0
+    got = product(x)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # the row kernels' results (MAX_ROWS rows a call): the same integer sums, the fp32 sums in
+    # another order (then bf16's rounding)
+    rows_kernel = torch.cat([product(x[r : r + native_ir.MAX_ROWS]) for r in range(0, rows, native_ir.MAX_ROWS)])
+    top = rows_kernel.float().abs().max().item()
+    rtol = 8e-3 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got.float(), rows_kernel.float(), rtol=rtol, atol=rtol / 8 * top)
+    with native.busy():  # on our own workers, not the OpenMP pool
+        assert torch.allclose(product(x).float(), rows_kernel.float(), rtol=rtol, atol=rtol / 8 * top)
+    w = (u.float().view(n, k // 32, 32) * scale[..., None] + minimum[..., None]).view(n, k)
+    exact = x.float() @ w.T
+    assert 1e-4 < (got.float() - exact).abs().max().item() / exact.abs().max().item() < 0.02
+
+
+@TILED
+def test_tiled_layout_needs_whole_tiles():
+    u, scale, minimum = _blocks(4, 24, 128, seed=0)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        native.pack_tiles(u, scale, minimum, 4)
+    product = native.BlockProduct.affine(u, scale, minimum, 4, tiled=True)  # 24 rows: no tiles, MAX_ROWS at a time
+    assert product.tiles is None and product(torch.randn(9, 128).bfloat16()).shape == (9, 24)
+
+
 def test_layout_and_input_errors():
     u, scale, minimum = _blocks(4, 8, 96, seed=0)
     with pytest.raises(ValueError, match="divisible by 64"):

@@ -75,7 +75,10 @@ def test_fp32_chosen_for_want_of_native_bf16_runs_fp16_weights():
     choice = choose_quantization("auto", "cpu", "float32", False, auto_dtype=True)
     assert (choice.method, choice.dense_above) == ("fp16", None) and "FBGEMM" in choice.reason
     choice = choose_quantization("auto", "cpu", "float32", True, auto_dtype=True)
-    if native.available():
+    if native.tiles_available():
+        assert (choice.method, choice.dense_above) == ("q4", None)
+        assert f"native {native.isa()} kernels" in choice.reason and "no dense copy" in choice.reason
+    elif native.available():
         assert (choice.method, choice.dense_above) == ("q4", auto_dense_above("float32"))
         assert f"native {native.isa()} kernels" in choice.reason and "fp16 copy" in choice.reason
     else:

@@ -299,17 +299,25 @@ def test_default_model_quantized_logits_and_greedy(default_source, smol_tokenize
 @pytest.mark.slow
 @pytest.mark.skipif(not native.available() or not fp16_available(),
                     reason="needs the native kernels and FBGEMM's fp16 linear")
-def test_default_model_in_fp32_on_the_native_kernels(default_source, smol_tokenizer):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_default_model_in_fp32_on_the_native_kernels(default_source, smol_tokenizer, tiled):
     """As `auto` serves on a processor without native bf16: the GGUF's 4-bit and 8-bit blocks on
-    the native kernels with fp32 activations for steps of few rows, an fp16 copy in FBGEMM above
-    (a prompt); logits within the int8 activation blocks' error of the fp32 model, the answers."""
+    the native kernels with fp32 activations for steps of few rows, and above them (a prompt) the
+    tiled products (AVX-512 VNNI) or an fp16 copy in FBGEMM; logits within the int8 activation
+    blocks' error of the fp32 model, the answers."""
+    if tiled and not native.tiles_available():
+        pytest.skip("the tiled products need AVX-512 VNNI")
     src = default_source
     dense = build_model(src.arch, src.weights_dir, torch.float32, "cpu", max_positions=2048)
-    rows = auto_dense_above("float32")
+    rows = 16 if tiled else auto_dense_above("float32")  # the prompt's rows below: on the tiles, or the copy
     quant = build_model(src.arch, src.weights_dir, torch.float32, "cpu", max_positions=2048,
-                        quant=QuantChoice("q4", rows, "test"), gguf=src.gguf_path)
+                        quant=QuantChoice("q4", None if tiled else rows, "test"), gguf=src.gguf_path)
     down = quant.layers[0].mlp.down_proj
-    assert type(down).__name__ == "NativeBlockLinear" and type(down.dense).__name__ == "Fp16Linear"
+    assert type(down).__name__ == "NativeBlockLinear"
+    if tiled:
+        assert down.dense is None and down.product.tiles is not None
+    else:
+        assert type(down.dense).__name__ == "Fp16Linear"
     assert type(quant.host_head).__name__ == "NativeBlockLinear"
     answered = 0
     for chat, answer in CHATS:
