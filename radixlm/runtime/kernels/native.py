@@ -98,6 +98,7 @@ class _Library:
         self.product = ctypes.CFUNCTYPE(None, p, p, p, p, i, i)(address("product"))
         self.attention = ctypes.CFUNCTYPE(None, p, p, i, p, i, p, i, p, p, i, i, i, ctypes.c_float, p, i, i, i, i)(
             address("attention"))
+        self.norm = ctypes.CFUNCTYPE(None, p, p, p, p, i, i, ctypes.c_float, i, i)(address("rms_norm"))
         self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
         self.tiles = (ctypes.CFUNCTYPE(None, p, p, p, p, i, i, i, p, p, i)(address("tiles"))
                       if isa in native_ir.TILE_ISAS else None)
@@ -372,3 +373,22 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, len
                       int(q.dtype == torch.float32))
     return out
 
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 rows x [rows, K] (contiguous, K a multiple of 16) by an fp32 weight [K]:
+    x / sqrt(mean(x^2) + eps) * weight in one pass a row, the rows split between the threads
+    (torch's OpenMP pool outside a busy stretch), a few rows on this thread alone."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 16
+            or not x.is_contiguous() or weight.shape != (x.shape[1],) or not weight.is_contiguous()):
+        raise ValueError(f"the native RMSNorm takes contiguous fp32 [rows, K] with K a multiple of 16 and an fp32 "
+                         f"[K] weight; got {tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    y = torch.empty_like(x)
+    lib = library()
+    with lib.lock:
+        if not lib.threads_started:
+            lib.start()
+        omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
+        lib.norm(lib.control_address, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps,
+                 lib.workers, omp)
+    return y

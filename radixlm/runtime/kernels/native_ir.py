@@ -48,10 +48,12 @@ TILE_CACHE = 196_608  # bytes of int8 activations a stretch of rows takes (a thr
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY = 0, 8, 9
 JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
-PRODUCT, ATTENTION, TILES, QUANTIZE = 0, 1, 2, 3
+PRODUCT, ATTENTION, TILES, QUANTIZE, NORM = 0, 1, 2, 3, 4
 PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
 TILE_FIELDS = ("op", "desci", "mpad", "yi", "parts", "taqi", "tasci")
 QUANTIZE_FIELDS = ("op", "xi", "qaqi", "qasci", "parts", "chunks", "f32")  # (parts: 5th, as run_on reads it)
+NORM_FIELDS = ("op", "nxi", "nwi", "nyi", "parts", "rows", "k", "epsbits")
+NORM_ALONE = 16  # an RMSNorm of fewer rows runs on the calling thread alone
 DESC_FIELDS = ("bits", "wi", "aqi", "asci", "n", "nch", "f32")  # a matrix's descriptor (int64s)
 ISAS = ("avx512", "avx2")  # the instruction sets the products are written for
 ACTS = ("bf16", "f32")  # the activation dtypes they take and write
@@ -91,6 +93,7 @@ declare void @llvm.x86.sse2.pause()
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare float @llvm.maxnum.f32(float, float)
 declare float @llvm.floor.f32(float)
+declare float @llvm.sqrt.f32(float)
 declare i64 @syscall(i64, ...)
 declare i64 @llvm.umin.i64(i64, i64)
 declare i64 @llvm.umax.i64(i64, i64)
@@ -629,6 +632,97 @@ ours:
 """
 
 
+def _norm() -> str:
+    """rms_norm(ctl, x, w, y, rows, k, eps, workers, threads): y = x / sqrt(mean(x^2) + eps) * w
+    for fp32 rows of k (a multiple of 16) values, as HF's RMSNorm orders it; rows split between
+    threads (`run_on`), or on the caller alone below NORM_ALONE rows."""
+    vector = "<16 x float>"
+    return f"""
+define internal void @norm_rows(ptr %x, ptr %w, ptr %y, i64 %r0, i64 %r1, i64 %k, float %eps) {{
+entry:
+  %none = icmp uge i64 %r0, %r1
+  %kf = uitofp i64 %k to float
+  br i1 %none, label %exit, label %row
+row:
+  %r = phi i64 [%r0, %entry], [%r.next, %scaled]
+  %ro = mul i64 %r, %k
+  %xr = getelementptr float, ptr %x, i64 %ro
+  %yr = getelementptr float, ptr %y, i64 %ro
+  br label %square
+square:
+  %j = phi i64 [0, %row], [%j.next, %square]
+  %acc = phi {vector} [zeroinitializer, %row], [%acc.next, %square]
+  %xp = getelementptr float, ptr %xr, i64 %j
+  %xv = load {vector}, ptr %xp, align 4
+  %acc.next = call {vector} @llvm.fma.v16f32({vector} %xv, {vector} %xv, {vector} %acc)
+  %j.next = add i64 %j, 16
+  %more = icmp ult i64 %j.next, %k
+  br i1 %more, label %square, label %mean
+mean:
+  %ss = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, {vector} %acc.next)
+  %ms = fdiv float %ss, %kf
+  %me = fadd float %ms, %eps
+  %sd = call float @llvm.sqrt.f32(float %me)
+  %inv = fdiv float 1.0, %sd
+{chr(10).join(_broadcast("invv", "%inv", 16))}
+  br label %scale
+scale:
+  %i = phi i64 [0, %mean], [%i.next, %scale]
+  %xq = getelementptr float, ptr %xr, i64 %i
+  %xw = load {vector}, ptr %xq, align 4
+  %wq = getelementptr float, ptr %w, i64 %i
+  %wv = load {vector}, ptr %wq, align 4
+  %nv = fmul {vector} %xw, %invv
+  %yv = fmul {vector} %nv, %wv
+  %yq = getelementptr float, ptr %yr, i64 %i
+  store {vector} %yv, ptr %yq, align 4
+  %i.next = add i64 %i, 16
+  %imore = icmp ult i64 %i.next, %k
+  br i1 %imore, label %scale, label %scaled
+scaled:
+  %r.next = add i64 %r, 1
+  %rmore = icmp ult i64 %r.next, %r1
+  br i1 %rmore, label %row, label %exit
+exit:
+  ret void
+}}
+
+define void @norm_part(ptr %ctl, i64 %index) {{
+entry:
+{_loads("ctl", JOB, NORM_FIELDS)}
+  %x = inttoptr i64 %nxi to ptr
+  %w = inttoptr i64 %nwi to ptr
+  %y = inttoptr i64 %nyi to ptr
+  %e32 = trunc i64 %epsbits to i32
+  %eps = bitcast i32 %e32 to float
+{_share("rows", "r0", "r1")}
+  call void @norm_rows(ptr %x, ptr %w, ptr %y, i64 %r0, i64 %r1, i64 %k, float %eps)
+  ret void
+}}
+
+define void @rms_norm(ptr %ctl, ptr %x, ptr %w, ptr %y, i64 %rows, i64 %k, float %eps, i64 %workers, i64 %threads) {{
+entry:
+  %alone = icmp ult i64 %rows, {NORM_ALONE}
+  br i1 %alone, label %here, label %shared
+here:
+  call void @norm_rows(ptr %x, ptr %w, ptr %y, i64 0, i64 %rows, i64 %k, float %eps)
+  ret void
+shared:
+  %ours = add i64 %workers, 1
+  %inomp = icmp ne i64 %threads, 0
+  %parts = select i1 %inomp, i64 %threads, i64 %ours
+  %nxi = ptrtoint ptr %x to i64
+  %nwi = ptrtoint ptr %w to i64
+  %nyi = ptrtoint ptr %y to i64
+  %e32 = bitcast float %eps to i32
+  %epsbits = zext i32 %e32 to i64
+{_post(NORM, NORM_FIELDS)}
+  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
+  ret void
+}}
+"""
+
+
 def _loads(base: str, offset: int, names: tuple[str, ...]) -> str:
     return "\n".join(f"  %{name}.p = getelementptr i64, ptr %{base}, i64 {offset + i}\n"
                      f"  %{name} = load i64, ptr %{name}.p, align 8" for i, name in enumerate(names))
@@ -686,9 +780,11 @@ def _threads(tiles: bool) -> str:
     """worker(ctl, i): run part i + 1 of each job until `stop` (every job since the control block
     was zeroed: a worker that starts after the first job was posted still runs it); run_job: post
     a job, run part 0, wait for the workers. `tiles`: the module has the tiled products."""
-    tiles_case = f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize " if tiles else ""
-    tiles_block = ("tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
-                   "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void") if tiles else ""
+    tiles_case = f"i64 {NORM}, label %norm " + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize "
+                                                if tiles else "")
+    tiles_block = "norm:\n  call void @norm_part(ptr %ctl, i64 %index)\n  ret void\n" + (
+        "tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
+        "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void" if tiles else "")
     return f"""
 define void @worker(ptr %ctl, i64 %i) {{
 entry:
@@ -1057,6 +1153,6 @@ def module_ir(isa: str = "avx512", omp: bool = False) -> str:
     rows = "".join(_rows(bits, m, act, isa) for act in ACTS for bits in CHUNK_BYTES for m in range(1, MAX_ROWS + 1))
     attention = _exp2() + "".join(_attend(d, act) for act in ACTS for d in HEAD_DIMS) + _attention_part()
     quantize = "".join(_quantize(act) for act in ACTS)
-    tiles = ("".join(_tile(bits, act) for act in ACTS for bits in TILE_BYTES) + _tiles_part() + _run_on(omp)
-             if isa in TILE_ISAS else "")
-    return _DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _threads(bool(tiles))
+    tiles = "".join(_tile(bits, act) for act in ACTS for bits in TILE_BYTES) + _tiles_part() if isa in TILE_ISAS else ""
+    return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm()
+            + _run_on(omp and bool(tiles)) + _threads(bool(tiles)))

@@ -131,6 +131,13 @@ def test_tiled_layout_needs_whole_tiles():
     assert product.tiles is None and product(torch.randn(9, 128).bfloat16()).shape == (9, 24)
 
 
+def test_rms_norm_errors_say_what_it_takes():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.rms_norm(torch.randn(2, 24), torch.randn(24), 1e-6)
+    with pytest.raises(ValueError, match="fp32"):
+        native.rms_norm(torch.randn(2, 32).bfloat16(), torch.randn(32).bfloat16(), 1e-6)
+
+
 def test_layout_and_input_errors():
     u, scale, minimum = _blocks(4, 8, 96, seed=0)
     with pytest.raises(ValueError, match="divisible by 64"):

@@ -1,5 +1,6 @@
 """The CPU RMSNorm (`host_rms_norm`) against HF's formula: bf16 through LayerNorm's kernel over
-[x, -x], fp32 the same way, within fp32 rounding of `F.rms_norm`."""
+[x, -x], fp32 on the native kernels where they run (else as bf16), within fp32 rounding of
+`F.rms_norm`."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_bf16_norm_of_a_view_and_zero_rows():
     assert torch.equal(host_rms_norm(zeros, weight, 1e-5), zeros)  # eps keeps 0 / sqrt(0 + eps) finite
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_fp32_norm_is_f_rms_norm_within_fp32_rounding(rows):
     gen = torch.Generator().manual_seed(rows)
     for scale in (1e-3, 1.0, 1e2):
@@ -56,3 +57,14 @@ def test_fp32_norm_is_f_rms_norm_within_fp32_rounding(rows):
         ours, ref = host_rms_norm(x, weight, 1e-6), F.rms_norm(x, (576,), weight, 1e-6)
         assert torch.allclose(ours, ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
         assert torch.equal(host_rms_norm(x[:1], weight, 1e-6), ours[:1])  # a row alone as in a batch
+
+
+def test_fp32_norm_of_zero_rows_and_of_a_view():
+    weight = torch.randn(576)
+    zeros = torch.zeros(20, 576)
+    assert torch.equal(host_rms_norm(zeros, weight, 1e-6), zeros)
+    assert host_rms_norm(torch.empty(0, 576), weight, 1e-6).shape == (0, 576)
+    x = torch.randn(4, 1200)
+    view = x[:, 16:592]  # strided: F.rms_norm's path
+    assert torch.allclose(host_rms_norm(view, weight, 1e-6), F.rms_norm(view, (576,), weight, 1e-6), rtol=2e-6,
+                          atol=1e-5)
