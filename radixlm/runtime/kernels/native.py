@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -99,6 +100,9 @@ class _Library:
         self.attention = ctypes.CFUNCTYPE(None, p, p, i, p, i, p, i, p, p, i, i, i, ctypes.c_float, p, i, i, i, i)(
             address("attention"))
         self.norm = ctypes.CFUNCTYPE(None, p, p, p, p, i, i, ctypes.c_float, i, i)(address("rms_norm"))
+        self.rotate = ctypes.CFUNCTYPE(None, p, p, p, p, p, i, i, i, i)(address("rotate"))
+        self.prefill = (ctypes.CFUNCTYPE(None, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, i, p)(
+            address("prefill")) if isa in native_ir.TILE_ISAS else None)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
         self.tiles = (ctypes.CFUNCTYPE(None, p, p, p, p, i, i, i, p, p, i)(address("tiles"))
                       if isa in native_ir.TILE_ISAS else None)
@@ -391,4 +395,69 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
         lib.norm(lib.control_address, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps,
                  lib.workers, omp)
+    return y
+
+
+def prefill_available() -> bool:
+    """Whether `prefill_attention` runs here (the AVX-512 VNNI kernels' module)."""
+    return tiles_available()
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt's queries q [n, heads, 64] (fp32; heads and d contiguous,
+    tokens may be strided) at the last n of the positions of k, v [N, kv_heads, 64] (fp32; N - n
+    of them a cached prefix) -> [n, heads * 64]. K and V are laid out once per call as the kernel
+    reads them ([kv_heads, N / 16, 64, 16] and [kv_heads, N, 64], N padded to 16); the items
+    (PREFILL_ROWS positions of one head) are split between the threads (torch's OpenMP pool
+    outside a busy stretch)."""
+    n, heads, d = q.shape
+    total, kv_heads = k.shape[0], k.shape[1]
+    if (q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 or d != 64
+            or q.stride(2) != 1 or q.stride(1) != d or k.shape != v.shape or k.shape[2] != d or total < n
+            or heads % kv_heads):
+        raise ValueError(f"native prompt attention takes fp32 q [n, heads, 64] (heads and d contiguous) and k, v "
+                         f"[N >= n, kv_heads, 64] with kv_heads dividing heads; got q {tuple(q.shape)} {q.dtype}, "
+                         f"k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}")
+    out = torch.empty((n, heads * d), dtype=torch.float32)
+    if n == 0:
+        return out
+    padded = -(-total // 16) * 16
+    # the keys in blocks of 16, each block [d, 16]: read in order (rows of a [d, N] layout N * 4
+    # bytes apart fell into the same cache sets, 4 KiB apart at 1,024 keys: 7 of a layer's 11 ms)
+    keys_t = k.new_zeros(padded, kv_heads, d)
+    keys_t[:total] = k
+    keys_t = keys_t.view(padded // 16, 16, kv_heads, d).permute(2, 0, 3, 1).contiguous()
+    values = v.new_zeros(kv_heads, padded, d)
+    values[:, :total] = v.permute(1, 0, 2)
+    lib = library()
+    assert lib.prefill is not None, "prompt attention runs with the AVX-512 VNNI kernels"
+    with lib.lock:
+        if not lib.threads_started:
+            lib.start()
+        omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
+        # each part's scores: PREFILL_ROWS rows of the keys
+        scratch = torch.empty(max(omp, lib.workers + 1) * native_ir.PREFILL_ROWS * padded, dtype=torch.float32)
+        lib.prefill(lib.control_address, q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
+                    out.data_ptr(), heads, kv_heads, n, total - n, padded, scale / math.log(2), lib.workers, omp,
+                    scratch.data_ptr())
+    return out
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + roll(x, d / 2, -1) * sin for contiguous fp32 x, cos, sin of one shape [..., d]
+    (d 64 or 128): the rotary embedding in one pass, each product rounded as torch rounds it."""
+    d = x.shape[-1]
+    if (x.dtype != torch.float32 or cos.dtype != x.dtype or sin.dtype != x.dtype or d not in native_ir.HEAD_DIMS
+            or cos.shape != x.shape or sin.shape != x.shape
+            or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())):
+        raise ValueError(f"the native rotation takes contiguous fp32 x, cos, sin of one shape [..., 64 or 128]; got "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
+    y = torch.empty_like(x)
+    lib = library()
+    with lib.lock:
+        if not lib.threads_started:
+            lib.start()
+        omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
+        lib.rotate(lib.control_address, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, d,
+                   lib.workers, omp)
     return y

@@ -48,12 +48,14 @@ TILE_CACHE = 196_608  # bytes of int8 activations a stretch of rows takes (a thr
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY = 0, 8, 9
 JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
-PRODUCT, ATTENTION, TILES, QUANTIZE, NORM = 0, 1, 2, 3, 4
+PRODUCT, ATTENTION, TILES, QUANTIZE, NORM, PREFILL, ROTATE = 0, 1, 2, 3, 4, 5, 6
 PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
 TILE_FIELDS = ("op", "desci", "mpad", "yi", "parts", "taqi", "tasci")
 QUANTIZE_FIELDS = ("op", "xi", "qaqi", "qasci", "parts", "chunks", "f32")  # (parts: 5th, as run_on reads it)
 NORM_FIELDS = ("op", "nxi", "nwi", "nyi", "parts", "rows", "k", "epsbits")
 NORM_ALONE = 16  # an RMSNorm of fewer rows runs on the calling thread alone
+ROTATE_FIELDS = ("op", "rxi", "rci", "rsi", "parts", "ryi", "rows", "dim")
+ROTATE_ALONE = 64  # a rotation of fewer (token, head) rows runs on the calling thread alone
 DESC_FIELDS = ("bits", "wi", "aqi", "asci", "n", "nch", "f32")  # a matrix's descriptor (int64s)
 ISAS = ("avx512", "avx2")  # the instruction sets the products are written for
 ACTS = ("bf16", "f32")  # the activation dtypes they take and write
@@ -94,6 +96,8 @@ declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare float @llvm.maxnum.f32(float, float)
 declare float @llvm.floor.f32(float)
 declare float @llvm.sqrt.f32(float)
+declare <16 x float> @llvm.maxnum.v16f32(<16 x float>, <16 x float>)
+declare <16 x float> @llvm.floor.v16f32(<16 x float>)
 declare i64 @syscall(i64, ...)
 declare i64 @llvm.umin.i64(i64, i64)
 declare i64 @llvm.umax.i64(i64, i64)
@@ -723,6 +727,307 @@ shared:
 """
 
 
+PREFILL_ROWS = 8  # query rows (positions of one head) a native prompt-attention item takes
+PREFILL_FIELDS = ("op", "pqi", "qstride", "kti", "parts", "pvi", "pouti", "pheads", "pkvheads", "tq", "prefix",
+                  "tpad", "scalebits", "pscri")
+
+
+def _exp2v(src: str, dst: str) -> list[str]:
+    """%dst: 2^%src for <16 x float> %src <= 0 (as `exp2_neg`, lane by lane)."""
+    v = "<16 x float>"
+    coefficients = [math.log(2) ** k / math.factorial(k) for k in range(8)]
+    out = [f"  %{dst}.x = call {v} @llvm.maxnum.v16f32({v} {src}, {v} {_splat('float', 16, _f32(-126.0))})",
+           f"  %{dst}.n = call {v} @llvm.floor.v16f32({v} %{dst}.x)",
+           f"  %{dst}.f = fsub {v} %{dst}.x, %{dst}.n",
+           f"  %{dst}.p7 = fadd {v} zeroinitializer, {_splat('float', 16, _f32(coefficients[7]))}"]
+    for k in range(6, -1, -1):
+        out.append(f"  %{dst}.p{k} = call {v} @llvm.fma.v16f32({v} %{dst}.p{k + 1}, {v} %{dst}.f, "
+                   f"{v} {_splat('float', 16, _f32(coefficients[k]))})")
+    return out + [f"  %{dst}.i = fptosi {v} %{dst}.n to <16 x i32>",
+                  f"  %{dst}.e = add <16 x i32> %{dst}.i, {_splat('i32', 16, 127)}",
+                  f"  %{dst}.b = shl <16 x i32> %{dst}.e, {_splat('i32', 16, 23)}",
+                  f"  %{dst}.t = bitcast <16 x i32> %{dst}.b to {v}",
+                  f"  %{dst} = fmul {v} %{dst}.p0, %{dst}.t"]
+
+
+def _prefill() -> str:
+    """prefill_part(ctl, index): causal attention of a prompt's fp32 queries over the sequence's
+    keys (a cached prefix, then the prompt's own), head size 64: items of PREFILL_ROWS positions of
+    one query head, round-robin between the parts. Three passes over the keys an item sees, each
+    with independent chains of FMAs: the scores (from K laid out [kv_head, tpad / 16, 64, 16]: a
+    block of 16 keys is 4 KiB read in order, 16 keys a vector) into the part's scratch rows, with
+    their running max; the weights 2^(s - max) in place, with their sum; then the values
+    [kv_head, tpad, 64] weighted into the rows' sums."""
+    v, R, D = "<16 x float>", PREFILL_ROWS, 64
+    neg = _splat("float", 16, _f32(-3.0e38))
+    out = ["define void @prefill_part(ptr %ctl, i64 %index) {",
+           "entry:",
+           _loads("ctl", JOB, PREFILL_FIELDS),
+           "  %q = inttoptr i64 %pqi to ptr",
+           "  %kt = inttoptr i64 %kti to ptr",
+           "  %vv = inttoptr i64 %pvi to ptr",
+           "  %o = inttoptr i64 %pouti to ptr",
+           f"  %rowsc = mul i64 %tpad, {R}",
+           "  %scro = mul i64 %rowsc, %index",
+           "  %scr0 = inttoptr i64 %pscri to ptr",
+           "  %scr = getelementptr float, ptr %scr0, i64 %scro",
+           "  %s32 = trunc i64 %scalebits to i32",
+           "  %scale2 = bitcast i32 %s32 to float",
+           *_broadcast("s2v", "%scale2", 16),
+           "  %group = udiv i64 %pheads, %pkvheads",
+           f"  %tq1 = add i64 %tq, {R - 1}",
+           f"  %nqb = udiv i64 %tq1, {R}",
+           "  %items = mul i64 %nqb, %pheads",
+           "  %last = sub i64 %tq, 1",
+           "  %kvlen = add i64 %prefix, %tq",
+           f"  %ostride = mul i64 %pheads, {D}",
+           "  %iota = add <16 x i64> zeroinitializer, <" + ", ".join(f"i64 {i}" for i in range(16)) + ">",
+           "  %none = icmp uge i64 %index, %items",
+           "  br i1 %none, label %exit, label %item",
+           "item:",
+           "  %it = phi i64 [%index, %entry], [%it.next, %stored]",
+           "  %h = udiv i64 %it, %nqb",
+           "  %qb = urem i64 %it, %nqb",
+           "  %g = udiv i64 %h, %group",
+           f"  %t0 = mul i64 %qb, {R}",
+           f"  %hoff = mul i64 %h, {D}",
+           f"  %kbase = mul i64 %g, {D}",
+           "  %kbt = mul i64 %kbase, %tpad",  # (a head's keys: tpad / 16 blocks of [64, 16])
+           "  %ktg = getelementptr float, ptr %kt, i64 %kbt",
+           "  %vgo = mul i64 %g, %tpad",
+           f"  %vgo2 = mul i64 %vgo, {D}",
+           "  %vg = getelementptr float, ptr %vv, i64 %vgo2"]
+    for r in range(R):
+        out += [f"  %t{r}r = add i64 %t0, {r}",
+                f"  %tl{r} = call i64 @llvm.umin.i64(i64 %t{r}r, i64 %last)",
+                f"  %pos{r} = add i64 %prefix, %t{r}r",
+                f"  %posv{r}.i = insertelement <16 x i64> poison, i64 %pos{r}, i64 0",
+                f"  %posv{r} = shufflevector <16 x i64> %posv{r}.i, <16 x i64> poison, <16 x i32> zeroinitializer",
+                f"  %qo{r}a = mul i64 %tl{r}, %qstride",
+                f"  %qo{r} = add i64 %qo{r}a, %hoff",
+                f"  %qr{r} = getelementptr float, ptr %q, i64 %qo{r}",
+                f"  %srow{r}o = mul i64 %tpad, {r}",
+                f"  %srow{r} = getelementptr float, ptr %scr, i64 %srow{r}o"]
+    out += [f"  %endq = add i64 %pos{R - 1}, 1",
+            "  %kvend = call i64 @llvm.umin.i64(i64 %endq, i64 %kvlen)",
+            "  %kvend15 = add i64 %kvend, 15",
+            "  %nkb = lshr i64 %kvend15, 4",
+            "  br label %kblock",
+            # pass 1: the scores, masked, and their running max
+            "kblock:",
+            "  %kb = phi i64 [0, %item], [%kb.next, %scored]"]
+    out += [f"  %mxv{r} = phi {v} [{neg}, %item], [%mxn{r}, %scored]" for r in range(R)]
+    out += ["  %j0 = shl i64 %kb, 4",
+            "  %kjo = shl i64 %j0, 6",
+            "  %ktj = getelementptr float, ptr %ktg, i64 %kjo",
+            "  br label %score",
+            "score:",
+            "  %d = phi i64 [0, %kblock], [%d.next, %score]"]
+    # two sums a row (even and odd d): eight chains of FMAs keep both FMA ports busy
+    out += [f"  %sc{r}e = phi {v} [zeroinitializer, %kblock], [%sc{r}_2, %score]" for r in range(R)]
+    out += [f"  %sc{r}o = phi {v} [zeroinitializer, %kblock], [%sc{r}_3, %score]" for r in range(R)]
+    for dd in range(4):
+        out += [f"  %dd{dd} = add i64 %d, {dd}",
+                f"  %kro{dd} = shl i64 %dd{dd}, 4",
+                f"  %krp{dd} = getelementptr float, ptr %ktj, i64 %kro{dd}",
+                f"  %kr{dd} = load {v}, ptr %krp{dd}, align 4"]
+        for r in range(R):
+            prev = (f"%sc{r}e", f"%sc{r}o")[dd] if dd < 2 else f"%sc{r}_{dd - 2}"
+            out += [f"  %qp{r}_{dd} = getelementptr float, ptr %qr{r}, i64 %dd{dd}",
+                    f"  %qs{r}_{dd} = load float, ptr %qp{r}_{dd}, align 4",
+                    *_broadcast(f"qv{r}_{dd}", f"%qs{r}_{dd}", 16),
+                    f"  %sc{r}_{dd} = call {v} @llvm.fma.v16f32({v} %qv{r}_{dd}, {v} %kr{dd}, {v} {prev})"]
+    out += ["  %d.next = add i64 %d, 4",
+            f"  %dmore = icmp ult i64 %d.next, {D}",
+            "  br i1 %dmore, label %score, label %scored",
+            "scored:",
+            "  %j0v.i = insertelement <16 x i64> poison, i64 %j0, i64 0",
+            "  %j0v = shufflevector <16 x i64> %j0v.i, <16 x i64> poison, <16 x i32> zeroinitializer",
+            "  %keys = add <16 x i64> %j0v, %iota"]
+    for r in range(R):
+        out += [f"  %sum{r} = fadd {v} %sc{r}_2, %sc{r}_3",
+                f"  %ss{r} = fmul {v} %sum{r}, %s2v",
+                f"  %late{r} = icmp ugt <16 x i64> %keys, %posv{r}",
+                f"  %sm{r} = select <16 x i1> %late{r}, {v} {neg}, {v} %ss{r}",
+                f"  %mxn{r} = call {v} @llvm.maxnum.v16f32({v} %mxv{r}, {v} %sm{r})",
+                f"  %sp{r} = getelementptr float, ptr %srow{r}, i64 %j0",
+                f"  store {v} %sm{r}, ptr %sp{r}, align 4"]
+    out += ["  %kb.next = add i64 %kb, 1",
+            "  %kmore = icmp ult i64 %kb.next, %nkb",
+            "  br i1 %kmore, label %kblock, label %maxed",
+            # pass 2: the weights in place, and their sums
+            "maxed:"]
+    for r in range(R):
+        out += [f"  %m{r} = call nnan float @llvm.vector.reduce.fmax.v16f32({v} %mxn{r})",
+                *_broadcast(f"mv{r}", f"%m{r}", 16)]
+    out += ["  br label %weigh",
+            "weigh:",
+            "  %wb = phi i64 [0, %maxed], [%wb.next, %weigh]"]
+    out += [f"  %ls{r} = phi {v} [zeroinitializer, %maxed], [%lsn{r}, %weigh]" for r in range(R)]
+    out += ["  %w0 = shl i64 %wb, 4",
+            "  %w0v.i = insertelement <16 x i64> poison, i64 %w0, i64 0",
+            "  %w0v = shufflevector <16 x i64> %w0v.i, <16 x i64> poison, <16 x i32> zeroinitializer",
+            "  %wkeys = add <16 x i64> %w0v, %iota"]
+    for r in range(R):
+        out += [f"  %wp{r} = getelementptr float, ptr %srow{r}, i64 %w0",
+                f"  %ws{r} = load {v}, ptr %wp{r}, align 4",
+                f"  %wd{r} = fsub {v} %ws{r}, %mv{r}",
+                *_exp2v(f"%wd{r}", f"we{r}"),
+                f"  %wlate{r} = icmp ugt <16 x i64> %wkeys, %posv{r}",
+                f"  %wz{r} = select <16 x i1> %wlate{r}, {v} zeroinitializer, {v} %we{r}",
+                f"  store {v} %wz{r}, ptr %wp{r}, align 4",
+                f"  %lsn{r} = fadd {v} %ls{r}, %wz{r}"]
+    out += ["  %wb.next = add i64 %wb, 1",
+            "  %wmore = icmp ult i64 %wb.next, %nkb",
+            "  br i1 %wmore, label %weigh, label %weighed",
+            "weighed:"]
+    # pass 3: the values weighted into the rows' sums, a key at a time, four rows at a time
+    groups = [list(range(a, min(R, a + 4))) for a in range(0, R, 4)]
+    for n, rows in enumerate(groups):
+        start = "weighed" if n == 0 else f"done{n - 1}"
+        out += [f"  br label %values{n}",
+                f"values{n}:",
+                f"  %vj{n} = phi i64 [0, %{start}], [%vj{n}.next, %values{n}]"]
+        out += [f"  %acc{r}_{c} = phi {v} [zeroinitializer, %{start}], [%accn{r}_{c}, %values{n}]"
+                for r in rows for c in range(D // 16)]
+        out += [f"  %vo{n} = mul i64 %vj{n}, {D}",
+                f"  %vp{n} = getelementptr float, ptr %vg, i64 %vo{n}"]
+        for c in range(D // 16):
+            out += [f"  %vc{n}_{c}.p = getelementptr float, ptr %vp{n}, i64 {16 * c}",
+                    f"  %vc{n}_{c} = load {v}, ptr %vc{n}_{c}.p, align 4"]
+        for r in rows:
+            out += [f"  %pj{r}.p = getelementptr float, ptr %srow{r}, i64 %vj{n}",
+                    f"  %pj{r} = load float, ptr %pj{r}.p, align 4",
+                    *_broadcast(f"pjv{r}", f"%pj{r}", 16)]
+            out += [f"  %accn{r}_{c} = call {v} @llvm.fma.v16f32({v} %pjv{r}, {v} %vc{n}_{c}, {v} %acc{r}_{c})"
+                    for c in range(D // 16)]
+        out += [f"  %vj{n}.next = add i64 %vj{n}, 1",
+                f"  %jmore{n} = icmp ult i64 %vj{n}.next, %kvend",
+                f"  br i1 %jmore{n}, label %values{n}, label %finish{n}",
+                f"finish{n}:"]
+        for r in rows:
+            out += [f"  %l{r} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, {v} %lsn{r})",
+                    f"  %inv{r} = fdiv float 1.0, %l{r}",
+                    *_broadcast(f"invv{r}", f"%inv{r}", 16),
+                    f"  %keep{r} = icmp ult i64 %t{r}r, %tq",
+                    f"  br i1 %keep{r}, label %store{r}, label %next{r}",
+                    f"store{r}:",
+                    f"  %oo{r}a = mul i64 %t{r}r, %ostride",
+                    f"  %oo{r} = add i64 %oo{r}a, %hoff",
+                    f"  %or{r} = getelementptr float, ptr %o, i64 %oo{r}"]
+            for c in range(D // 16):
+                out += [f"  %ov{r}_{c} = fmul {v} %accn{r}_{c}, %invv{r}",
+                        f"  %op{r}_{c} = getelementptr float, ptr %or{r}, i64 {16 * c}",
+                        f"  store {v} %ov{r}_{c}, ptr %op{r}_{c}, align 4"]
+            out += [f"  br label %next{r}", f"next{r}:"]
+        out += [f"  br label %done{n}", f"done{n}:"]
+    out += ["  br label %stored",
+            "stored:",
+            "  %it.next = add i64 %it, %parts",
+            "  %imore = icmp ult i64 %it.next, %items",
+            "  br i1 %imore, label %item, label %exit",
+            "exit:",
+            "  ret void",
+            "}",
+            "",
+            "define void @prefill(ptr %ctl, ptr %q, i64 %qstride, ptr %kt, ptr %v, ptr %out, i64 %pheads, i64 %pkvheads,",
+            "                     i64 %tq, i64 %prefix, i64 %tpad, float %scale2, i64 %workers, i64 %threads,",
+            "                     ptr %scratch) {",
+            "entry:",
+            "  %ours = add i64 %workers, 1",
+            "  %inomp = icmp ne i64 %threads, 0",
+            "  %parts = select i1 %inomp, i64 %threads, i64 %ours",
+            "  %pqi = ptrtoint ptr %q to i64",
+            "  %kti = ptrtoint ptr %kt to i64",
+            "  %pvi = ptrtoint ptr %v to i64",
+            "  %pouti = ptrtoint ptr %out to i64",
+            "  %pscri = ptrtoint ptr %scratch to i64",
+            "  %sb32 = bitcast float %scale2 to i32",
+            "  %scalebits = zext i32 %sb32 to i64",
+            _post(PREFILL, PREFILL_FIELDS),
+            "  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)",
+            "  ret void",
+            "}"]
+    return "\n".join(out) + "\n"
+
+def _rotate() -> str:
+    """rotate(ctl, x, cos, sin, y, rows, dim, workers, threads): y = x * cos + roll(x, dim / 2) * sin
+    for fp32 rows of dim 64 or 128 (the rotary embedding over a token's heads, `RotaryBatch.rotate`),
+    each product rounded, then the sum: the same values as those three torch ops."""
+    v = "<16 x float>"
+    out = ["define internal void @rotate_rows(ptr %x, ptr %c, ptr %s, ptr %y, i64 %r0, i64 %r1, i64 %dim) {",
+           "entry:",
+           "  %none = icmp uge i64 %r0, %r1",
+           "  %wide = icmp eq i64 %dim, 128",
+           "  br i1 %none, label %exit, label %row",
+           "row:",
+           "  %r = phi i64 [%r0, %entry], [%r.next, %done]",
+           "  %ro = mul i64 %r, %dim",
+           "  %xr = getelementptr float, ptr %x, i64 %ro",
+           "  %cr = getelementptr float, ptr %c, i64 %ro",
+           "  %sr = getelementptr float, ptr %s, i64 %ro",
+           "  %yr = getelementptr float, ptr %y, i64 %ro",
+           "  br i1 %wide, label %d128, label %d64"]
+    for dim in (64, 128):
+        nv = dim // 16
+        out.append(f"d{dim}:")
+        for i in range(nv):
+            out += [f"  %x{dim}_{i}.p = getelementptr float, ptr %xr, i64 {16 * i}",
+                    f"  %x{dim}_{i} = load {v}, ptr %x{dim}_{i}.p, align 4"]
+        for i in range(nv):
+            out += [f"  %c{dim}_{i}.p = getelementptr float, ptr %cr, i64 {16 * i}",
+                    f"  %c{dim}_{i} = load {v}, ptr %c{dim}_{i}.p, align 4",
+                    f"  %s{dim}_{i}.p = getelementptr float, ptr %sr, i64 {16 * i}",
+                    f"  %s{dim}_{i} = load {v}, ptr %s{dim}_{i}.p, align 4",
+                    f"  %a{dim}_{i} = fmul {v} %x{dim}_{i}, %c{dim}_{i}",
+                    f"  %b{dim}_{i} = fmul {v} %x{dim}_{(i + nv // 2) % nv}, %s{dim}_{i}",
+                    f"  %o{dim}_{i} = fadd {v} %a{dim}_{i}, %b{dim}_{i}",
+                    f"  %y{dim}_{i}.p = getelementptr float, ptr %yr, i64 {16 * i}",
+                    f"  store {v} %o{dim}_{i}, ptr %y{dim}_{i}.p, align 4"]
+        out.append("  br label %done")
+    out += ["done:",
+            "  %r.next = add i64 %r, 1",
+            "  %more = icmp ult i64 %r.next, %r1",
+            "  br i1 %more, label %row, label %exit",
+            "exit:",
+            "  ret void",
+            "}",
+            "",
+            "define void @rotate_part(ptr %ctl, i64 %index) {",
+            "entry:",
+            _loads("ctl", JOB, ROTATE_FIELDS),
+            "  %x = inttoptr i64 %rxi to ptr",
+            "  %c = inttoptr i64 %rci to ptr",
+            "  %s = inttoptr i64 %rsi to ptr",
+            "  %y = inttoptr i64 %ryi to ptr",
+            _share("rows", "r0", "r1"),
+            "  call void @rotate_rows(ptr %x, ptr %c, ptr %s, ptr %y, i64 %r0, i64 %r1, i64 %dim)",
+            "  ret void",
+            "}",
+            "",
+            "define void @rotate(ptr %ctl, ptr %x, ptr %c, ptr %s, ptr %y, i64 %rows, i64 %dim, i64 %workers, "
+            "i64 %threads) {",
+            "entry:",
+            f"  %alone = icmp ult i64 %rows, {ROTATE_ALONE}",
+            "  br i1 %alone, label %here, label %shared",
+            "here:",
+            "  call void @rotate_rows(ptr %x, ptr %c, ptr %s, ptr %y, i64 0, i64 %rows, i64 %dim)",
+            "  ret void",
+            "shared:",
+            "  %ours = add i64 %workers, 1",
+            "  %inomp = icmp ne i64 %threads, 0",
+            "  %parts = select i1 %inomp, i64 %threads, i64 %ours",
+            "  %rxi = ptrtoint ptr %x to i64",
+            "  %rci = ptrtoint ptr %c to i64",
+            "  %rsi = ptrtoint ptr %s to i64",
+            "  %ryi = ptrtoint ptr %y to i64",
+            _post(ROTATE, ROTATE_FIELDS),
+            "  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)",
+            "  ret void",
+            "}"]
+    return "\n".join(out) + "\n"
+
+
 def _loads(base: str, offset: int, names: tuple[str, ...]) -> str:
     return "\n".join(f"  %{name}.p = getelementptr i64, ptr %{base}, i64 {offset + i}\n"
                      f"  %{name} = load i64, ptr %{name}.p, align 8" for i, name in enumerate(names))
@@ -780,11 +1085,13 @@ def _threads(tiles: bool) -> str:
     """worker(ctl, i): run part i + 1 of each job until `stop` (every job since the control block
     was zeroed: a worker that starts after the first job was posted still runs it); run_job: post
     a job, run part 0, wait for the workers. `tiles`: the module has the tiled products."""
-    tiles_case = f"i64 {NORM}, label %norm " + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize "
-                                                if tiles else "")
-    tiles_block = "norm:\n  call void @norm_part(ptr %ctl, i64 %index)\n  ret void\n" + (
+    tiles_case = f"i64 {NORM}, label %norm i64 {ROTATE}, label %rotate " + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize "
+                                                f"i64 {PREFILL}, label %prefill " if tiles else "")
+    tiles_block = ("norm:\n  call void @norm_part(ptr %ctl, i64 %index)\n  ret void\n"
+                   "rotate:\n  call void @rotate_part(ptr %ctl, i64 %index)\n  ret void\n") + (
         "tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
-        "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void" if tiles else "")
+        "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void\n"
+        "prefill:\n  call void @prefill_part(ptr %ctl, i64 %index)\n  ret void" if tiles else "")
     return f"""
 define void @worker(ptr %ctl, i64 %i) {{
 entry:
@@ -1153,6 +1460,7 @@ def module_ir(isa: str = "avx512", omp: bool = False) -> str:
     rows = "".join(_rows(bits, m, act, isa) for act in ACTS for bits in CHUNK_BYTES for m in range(1, MAX_ROWS + 1))
     attention = _exp2() + "".join(_attend(d, act) for act in ACTS for d in HEAD_DIMS) + _attention_part()
     quantize = "".join(_quantize(act) for act in ACTS)
-    tiles = "".join(_tile(bits, act) for act in ACTS for bits in TILE_BYTES) + _tiles_part() if isa in TILE_ISAS else ""
-    return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm()
+    tiles = ("".join(_tile(bits, act) for act in ACTS for bits in TILE_BYTES) + _tiles_part() + _prefill()
+             if isa in TILE_ISAS else "")
+    return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm() + _rotate()
             + _run_on(omp and bool(tiles)) + _threads(bool(tiles)))

@@ -1,13 +1,15 @@
 """The torch attention backend against attention written out per sequence and per head (fp32):
 decode rows batched with padding, with and without prefill segments in the same step, and
 grouped-query heads (the decode call puts a KV head's query heads in the query-length place); in
-bf16 the extends run as blocks of queries (`blocked_extend`), checked across block edges too."""
+bf16 the extends run as blocks of queries (`blocked_extend`), checked across block edges too; fp32
+prompts of head size 64 on the native prompt attention where it runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention, blocked_extend, blocked_prompts
 from radixlm.runtime.kernels.kv_pool import KVPool
@@ -87,8 +89,36 @@ def test_torch_attention_matches_per_head_reference(plan, dtype):
     blocks = blocked_prompts(dtype, torch.device("cpu"))
     assert blocks == (dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported()
                       and not torch.cpu._is_amx_tile_supported())
-    assert [blocked for *_, blocked in att.extends] == [
-        blocks and new >= 32 and new * (cached + new) >= 32768 for cached, new in plan if new > 1]
+    assert [way for *_, way in att.extends] == [
+        "blocked" if blocks and new >= 32 and new * (cached + new) >= 32768 else "flash"
+        for cached, new in plan if new > 1]  # (head size 16: never the native prompt attention)
+
+
+@pytest.mark.skipif(not native.prefill_available(), reason="the native prompt attention needs AVX-512 VNNI")
+@pytest.mark.parametrize("plan", [
+    [(0, 40)],  # a prompt alone
+    [(3, 1), (0, 33), (100, 150), (0, 5)],  # decodes, prompts (one over a cached prefix), a short extend
+])
+def test_fp32_prompts_on_the_native_attention_match_the_reference(plan):
+    d = 64
+    arch = ModelArch(family="llama", vocab_size=64, hidden_size=HEADS * d, intermediate_size=64, num_layers=1,
+                     num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False)
+    gen = torch.Generator().manual_seed(1)
+    pool = KVPool(arch, 1024, torch.float32, "cpu")
+    att = TorchAttention(pool, HEADS, d)
+    table, new_slots, q_starts, q_lens, kv_lens, history = _cached(pool, plan, d, torch.float32, gen,
+                                                                   torch.arange(1, 1025))
+    total = sum(q_lens)
+    q = torch.randn(total, HEADS + 2 * KV_HEADS, d, generator=gen)[:, :HEADS]  # tokens strided, as from qkv
+    k, v = (torch.randn(total, KV_HEADS, d, generator=gen) for _ in range(2))
+    att.prepare(AttentionMeta(torch.cat(new_slots), table, list(range(len(plan))), q_starts, q_lens, kv_lens))
+    assert [way for *_, way in att.extends] == ["native" if new >= 32 else "flash" for _, new in plan if new > 1]
+    out = att.forward(0, q, k, v).view(total, HEADS, d)
+    for (cached, new), start, (k_old, v_old) in zip(plan, q_starts, history):
+        part = slice(start, start + new)
+        ref = _reference(q[part], torch.cat([k_old, k[part]]), torch.cat([v_old, v[part]]), cached)
+        torch.testing.assert_close(out[part], ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])

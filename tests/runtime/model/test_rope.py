@@ -3,6 +3,8 @@ loop's form over all q/k/v heads at once, which leaves the V heads exactly as th
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,13 +16,15 @@ ARCH = ModelArch(family="llama", vocab_size=64, hidden_size=6 * 32, intermediate
                  tie_word_embeddings=False, attention_bias=False)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])  # (fp32 head size 64: on the native kernels where they run)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotation_with_values_equals_q_k_rotation_and_keeps_v(dtype):
+def test_rotation_with_values_equals_q_k_rotation_and_keeps_v(dtype, head_dim):
     gen = torch.Generator().manual_seed(0)
-    rope = RotaryEmbedding(ARCH, 512, "cpu")
-    positions = torch.tensor([0, 3, 4, 200, 511])
+    arch = dataclasses.replace(ARCH, head_dim=head_dim, hidden_size=6 * head_dim)
+    rope = RotaryEmbedding(arch, 512, "cpu")
+    positions = torch.tensor([0, 3, 4, 200, 511] * 20)  # (100 tokens: the native rotation's threads too)
     batch = rope.batch(positions, dtype)
-    heads = (torch.randn(5, 6 + 2 + 2, 32, generator=gen) * 3).to(dtype)
+    heads = (torch.randn(len(positions), 6 + 2 + 2, head_dim, generator=gen) * 3).to(dtype)
     heads[0, 9, :4] = torch.tensor([-0.0, 0.0, 1e-30, -2.5])  # signed zeros, a tiny value
     q, k = batch.apply(heads[:, :8], 6)
     cos, sin = batch.tables_with_values(8, 2)

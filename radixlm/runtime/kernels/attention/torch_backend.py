@@ -18,6 +18,10 @@ on the tiles and is 2-4x faster than the blocks (an AMX Xeon: 5.7 against 11.3 m
 threads), so it stays, as it does without native bf16 (not measured), in fp32 (where the blocks
 are slower) and for short extends (`BLOCKED_MIN_QUERIES`, `BLOCKED_MIN_PAIRS`), a jump-forward's
 few tokens say, where the blocks' fixed ~0.2 ms a layer costs more than the flash kernel's call.
+
+fp32 extends of 32 queries and more, where the native kernels are compiled for AVX-512 VNNI, run
+on their causal prompt attention (`native.prefill_attention`: scores, weights and values in three
+passes of independent FMA chains, the keys transposed once per call).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.kv_pool import KVPool
 
+# fp32 extends of at least this many queries run on the native prompt attention (`native.prefill_attention`);
+# a jump-forward's few tokens keep the flash kernel, which needs no transposed copy of the keys
+NATIVE_MIN_QUERIES = 32
 EXTEND_BLOCK = 128  # queries per block of `blocked_extend`: 64 and 256 measured slower at 0.5k-4k tokens
 # below these an extend keeps the flash kernel (measured: 16 queries over 2k keys 1.12 vs 1.17 ms,
 # 32 over 532 0.51 vs 0.54, 64 over 164 0.39 vs 0.47; 32 over 2k 1.93 vs 1.32, 64 over 564 1.17 vs 0.75)
@@ -99,6 +106,9 @@ class TorchAttention:
         self.native = (pool.kv_layers is not None and pool.kv_layers[0].dtype in (torch.bfloat16, torch.float32)
                        and head_dim in native_ir.HEAD_DIMS and native.available())
         self.blocks = blocked_prompts(pool.k.dtype, pool.k.device)
+        # extends of fp32 prompts (head size 64) on the native kernels' causal attention, where they run
+        self.native_prompts = (pool.k.dtype == torch.float32 and pool.k.device.type == "cpu" and head_dim == 64
+                               and native.prefill_available())
 
     def prepare(self, meta: AttentionMeta) -> None:
         self.meta = meta
@@ -127,20 +137,24 @@ class TorchAttention:
                 self.decode_mask = valid[:, None, None, :]
         # a step of decodes only: the decode call's output is the whole output
         self.decode_only = bool(decode) and len(decode) == meta.num_seqs
-        self.extends: list[tuple[int, int, torch.Tensor, torch.Tensor | None, bool]] = []
+        self.extends: list[tuple[int, int, torch.Tensor, torch.Tensor | None, str]] = []
         for i in range(meta.num_seqs):
             q_len, kv_len = meta.q_lens[i], meta.kv_lens[i]
             if q_len == 1:
                 continue
             kv_idx = meta.req_to_token[meta.rows[i], :kv_len]
-            blocked = self.blocks and q_len >= BLOCKED_MIN_QUERIES and q_len * kv_len >= BLOCKED_MIN_PAIRS
+            way = "flash"
+            if self.blocks and q_len >= BLOCKED_MIN_QUERIES and q_len * kv_len >= BLOCKED_MIN_PAIRS:
+                way = "blocked"
+            elif self.native_prompts and q_len >= NATIVE_MIN_QUERIES:
+                way = "native"
             mask = None
-            if kv_len != q_len and not blocked:  # a cached prefix: query j sees positions <= prefix + j
+            if kv_len != q_len and way == "flash":  # a cached prefix: query j sees positions <= prefix + j
                 prefix = kv_len - q_len
                 mask = torch.arange(kv_len, device=device)[None, :] <= (
                     torch.arange(q_len, device=device)[:, None] + prefix
                 )
-            self.extends.append((meta.q_starts[i], q_len, kv_idx, mask, blocked))
+            self.extends.append((meta.q_starts[i], q_len, kv_idx, mask, way))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.meta.out_slots, k, v)
@@ -159,10 +173,14 @@ class TorchAttention:
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if self.decode_tokens is not None:
             out.view(q.shape[0], -1)[self.decode_tokens] = self._decode(layer, q[self.decode_tokens])
-        for start, q_len, kv_idx, mask, blocked in self.extends:
+        for start, q_len, kv_idx, mask, way in self.extends:
             ke, ve = self._gather(layer, kv_idx)
-            if blocked:
+            if way == "blocked":
                 blocked_extend(q[start : start + q_len], ke, ve, self.scale, out[start : start + q_len])
+                continue
+            if way == "native":
+                out[start : start + q_len] = native.prefill_attention(q[start : start + q_len], ke, ve,
+                                                                      self.scale).view(q_len, self.num_heads, -1)
                 continue
             qe = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
             ke, ve = ke.transpose(0, 1).unsqueeze(0), ve.transpose(0, 1).unsqueeze(0)
