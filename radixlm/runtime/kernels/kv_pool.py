@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from radixlm.runtime.kernels import native
+
 
 class KVShape(Protocol):
     """The sizes of a model's K/V cache."""
@@ -69,6 +71,7 @@ class KVPool:
         # each layer's K and V as views, indexed once here rather than twice a layer every step
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         self.kv_layers = None if self.kv is None else self.kv.unbind(0)
+        self.native_writes = self.kv is not None and native.available()  # (write_joined's rows)
 
     @staticmethod
     def bytes_per_token(arch: KVShape, dtype: torch.dtype) -> int:
@@ -88,6 +91,9 @@ class KVPool:
         """Store kv ([T, 2 * kv_heads, head_dim]: each token's K heads, then its V heads) at
         `slots` of `layer` in one copy; the host pool only."""
         assert self.kv_layers is not None, "K and V are joined in the host pool only"
+        if self.native_writes and kv.stride(2) == 1 and kv.stride(1) == kv.shape[2] and slots.is_contiguous():
+            native.write_rows(self.kv_layers[layer], slots, kv)  # (slots come from the allocator: in range)
+            return
         self.kv_layers[layer].index_copy_(0, slots, kv)
 
 

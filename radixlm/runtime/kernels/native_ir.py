@@ -48,7 +48,7 @@ TILE_CACHE = 196_608  # bytes of int8 activations a stretch of rows takes (a thr
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY = 0, 8, 9
 JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
-PRODUCT, ATTENTION, TILES, QUANTIZE, NORM, PREFILL, ROTATE = 0, 1, 2, 3, 4, 5, 6
+PRODUCT, ATTENTION, TILES, QUANTIZE, NORM, PREFILL, ROTATE, SWIGLU = 0, 1, 2, 3, 4, 5, 6, 7
 PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
 TILE_FIELDS = ("op", "desci", "mpad", "yi", "parts", "taqi", "tasci")
 QUANTIZE_FIELDS = ("op", "xi", "qaqi", "qasci", "parts", "chunks", "f32")  # (parts: 5th, as run_on reads it)
@@ -56,6 +56,8 @@ NORM_FIELDS = ("op", "nxi", "nwi", "nyi", "parts", "rows", "k", "epsbits")
 NORM_ALONE = 16  # an RMSNorm of fewer rows runs on the calling thread alone
 ROTATE_FIELDS = ("op", "rxi", "rci", "rsi", "parts", "ryi", "rows", "dim")
 ROTATE_ALONE = 64  # a rotation of fewer (token, head) rows runs on the calling thread alone
+SWIGLU_FIELDS = ("op", "gxi", "gyi", "inter", "parts", "rows")
+SWIGLU_ALONE = 8  # a SwiGLU of fewer rows runs on the calling thread alone
 DESC_FIELDS = ("bits", "wi", "aqi", "asci", "n", "nch", "f32")  # a matrix's descriptor (int64s)
 ISAS = ("avx512", "avx2")  # the instruction sets the products are written for
 ACTS = ("bf16", "f32")  # the activation dtypes they take and write
@@ -98,6 +100,8 @@ declare float @llvm.floor.f32(float)
 declare float @llvm.sqrt.f32(float)
 declare <16 x float> @llvm.maxnum.v16f32(<16 x float>, <16 x float>)
 declare <16 x float> @llvm.floor.v16f32(<16 x float>)
+declare <16 x float> @llvm.rint.v16f32(<16 x float>)
+declare <16 x float> @llvm.fabs.v16f32(<16 x float>)
 declare i64 @syscall(i64, ...)
 declare i64 @llvm.umin.i64(i64, i64)
 declare i64 @llvm.umax.i64(i64, i64)
@@ -950,6 +954,125 @@ def _prefill() -> str:
             "}"]
     return "\n".join(out) + "\n"
 
+def _write_rows() -> str:
+    """write_rows(dst, drow, src, srow, slots, rows, width): copy row t of src (rows `srow` bytes
+    apart) to row slots[t] of dst (rows `drow` bytes apart), `width` bytes each, on this thread."""
+    return """
+declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
+
+define void @write_rows(ptr %dst, i64 %drow, ptr %src, i64 %srow, ptr %slots, i64 %rows, i64 %width) {
+entry:
+  %none = icmp eq i64 %rows, 0
+  br i1 %none, label %exit, label %row
+row:
+  %t = phi i64 [0, %entry], [%t.next, %row]
+  %sp = getelementptr i64, ptr %slots, i64 %t
+  %slot = load i64, ptr %sp, align 8
+  %do = mul i64 %slot, %drow
+  %d = getelementptr i8, ptr %dst, i64 %do
+  %so = mul i64 %t, %srow
+  %s = getelementptr i8, ptr %src, i64 %so
+  call void @llvm.memcpy.p0.p0.i64(ptr %d, ptr %s, i64 %width, i1 false)
+  %t.next = add i64 %t, 1
+  %more = icmp ult i64 %t.next, %rows
+  br i1 %more, label %row, label %exit
+exit:
+  ret void
+}
+"""
+
+
+def _swiglu() -> str:
+    """swiglu(ctl, gu, y, rows, inter, workers, threads): y = silu(g) * u for fp32 rows [g | u] of
+    2 * inter values (inter a multiple of 16), silu(g) = g / (1 + e^-g) with e^-|g| as 2^n 2^f,
+    n = rint, |f| <= 1/2, 2^f a degree-7 polynomial (relative error ~1e-8)."""
+    v = "<16 x float>"
+    coefficients = [math.log(2) ** k / math.factorial(k) for k in range(8)]
+    poly = [f"  %p7 = fadd {v} zeroinitializer, {_splat('float', 16, _f32(coefficients[7]))}"]
+    for k in range(6, -1, -1):
+        poly.append(f"  %p{k} = call {v} @llvm.fma.v16f32({v} %p{k + 1}, {v} %f, "
+                    f"{v} {_splat('float', 16, _f32(coefficients[k]))})")
+    one = _splat("float", 16, "1.0")
+    return f"""
+define internal void @swiglu_rows(ptr %gu, ptr %y, i64 %r0, i64 %r1, i64 %inter) {{
+entry:
+  %none = icmp uge i64 %r0, %r1
+  %width = shl i64 %inter, 1
+  br i1 %none, label %exit, label %row
+row:
+  %r = phi i64 [%r0, %entry], [%r.next, %rowdone]
+  %go = mul i64 %r, %width
+  %gr = getelementptr float, ptr %gu, i64 %go
+  %ur = getelementptr float, ptr %gr, i64 %inter
+  %yo = mul i64 %r, %inter
+  %yr = getelementptr float, ptr %y, i64 %yo
+  br label %col
+col:
+  %i = phi i64 [0, %row], [%i.next, %col]
+  %gp = getelementptr float, ptr %gr, i64 %i
+  %g = load {v}, ptr %gp, align 4
+  %up = getelementptr float, ptr %ur, i64 %i
+  %u = load {v}, ptr %up, align 4
+  %a = call {v} @llvm.fabs.v16f32({v} %g)
+  %xl = fmul {v} %a, {_splat('float', 16, _f32(-1 / math.log(2)))}
+  %x = call {v} @llvm.maxnum.v16f32({v} %xl, {v} {_splat('float', 16, _f32(-126.0))})
+  %n = call {v} @llvm.rint.v16f32({v} %x)
+  %f = fsub {v} %x, %n
+{chr(10).join(poly)}
+  %ni = fptosi {v} %n to <16 x i32>
+  %e = add <16 x i32> %ni, {_splat('i32', 16, 127)}
+  %eb = shl <16 x i32> %e, {_splat('i32', 16, 23)}
+  %two = bitcast <16 x i32> %eb to {v}
+  %t = fmul {v} %p0, %two
+  %den = fadd {v} %t, {one}
+  %neg = fcmp olt {v} %g, zeroinitializer
+  %num = select <16 x i1> %neg, {v} %t, {v} {one}
+  %sig = fdiv {v} %num, %den
+  %silu = fmul {v} %g, %sig
+  %out = fmul {v} %silu, %u
+  %yp = getelementptr float, ptr %yr, i64 %i
+  store {v} %out, ptr %yp, align 4
+  %i.next = add i64 %i, 16
+  %more = icmp ult i64 %i.next, %inter
+  br i1 %more, label %col, label %rowdone
+rowdone:
+  %r.next = add i64 %r, 1
+  %rmore = icmp ult i64 %r.next, %r1
+  br i1 %rmore, label %row, label %exit
+exit:
+  ret void
+}}
+
+define void @swiglu_part(ptr %ctl, i64 %index) {{
+entry:
+{_loads("ctl", JOB, SWIGLU_FIELDS)}
+  %gu = inttoptr i64 %gxi to ptr
+  %y = inttoptr i64 %gyi to ptr
+{_share("rows", "r0", "r1")}
+  call void @swiglu_rows(ptr %gu, ptr %y, i64 %r0, i64 %r1, i64 %inter)
+  ret void
+}}
+
+define void @swiglu(ptr %ctl, ptr %gu, ptr %y, i64 %rows, i64 %inter, i64 %workers, i64 %threads) {{
+entry:
+  %alone = icmp ult i64 %rows, {SWIGLU_ALONE}
+  br i1 %alone, label %here, label %shared
+here:
+  call void @swiglu_rows(ptr %gu, ptr %y, i64 0, i64 %rows, i64 %inter)
+  ret void
+shared:
+  %ours = add i64 %workers, 1
+  %inomp = icmp ne i64 %threads, 0
+  %parts = select i1 %inomp, i64 %threads, i64 %ours
+  %gxi = ptrtoint ptr %gu to i64
+  %gyi = ptrtoint ptr %y to i64
+{_post(SWIGLU, SWIGLU_FIELDS)}
+  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
+  ret void
+}}
+"""
+
+
 def _rotate() -> str:
     """rotate(ctl, x, cos, sin, y, rows, dim, workers, threads): y = x * cos + roll(x, dim / 2) * sin
     for fp32 rows of dim 64 or 128 (the rotary embedding over a token's heads, `RotaryBatch.rotate`),
@@ -1085,10 +1208,11 @@ def _threads(tiles: bool) -> str:
     """worker(ctl, i): run part i + 1 of each job until `stop` (every job since the control block
     was zeroed: a worker that starts after the first job was posted still runs it); run_job: post
     a job, run part 0, wait for the workers. `tiles`: the module has the tiled products."""
-    tiles_case = f"i64 {NORM}, label %norm i64 {ROTATE}, label %rotate " + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize "
+    tiles_case = f"i64 {NORM}, label %norm i64 {ROTATE}, label %rotate i64 {SWIGLU}, label %swiglu " + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize "
                                                 f"i64 {PREFILL}, label %prefill " if tiles else "")
     tiles_block = ("norm:\n  call void @norm_part(ptr %ctl, i64 %index)\n  ret void\n"
-                   "rotate:\n  call void @rotate_part(ptr %ctl, i64 %index)\n  ret void\n") + (
+                   "rotate:\n  call void @rotate_part(ptr %ctl, i64 %index)\n  ret void\n"
+                   "swiglu:\n  call void @swiglu_part(ptr %ctl, i64 %index)\n  ret void\n") + (
         "tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
         "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void\n"
         "prefill:\n  call void @prefill_part(ptr %ctl, i64 %index)\n  ret void" if tiles else "")
@@ -1462,5 +1586,5 @@ def module_ir(isa: str = "avx512", omp: bool = False) -> str:
     quantize = "".join(_quantize(act) for act in ACTS)
     tiles = ("".join(_tile(bits, act) for act in ACTS for bits in TILE_BYTES) + _tiles_part() + _prefill()
              if isa in TILE_ISAS else "")
-    return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm() + _rotate()
+    return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm() + _rotate() + _swiglu() + _write_rows()
             + _run_on(omp and bool(tiles)) + _threads(bool(tiles)))

@@ -56,6 +56,17 @@ def host_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
+def host_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused gate/up projection [..., 2 * I] off CUDA: fp32 rows on the
+    native kernels where they run (one pass; 0.6 against 1.2 ms at 1,024 rows, ~10 against ~15 us
+    at one, on a 2-core Ice Lake), else two torch ops on the halves (slices: fewer ops than chunk)."""
+    inter = gate_up.shape[-1] // 2
+    if (gate_up.dtype == torch.float32 and gate_up.dim() == 2 and inter % 16 == 0 and gate_up.is_contiguous()
+            and native.available()):
+        return native.swiglu(gate_up)
+    return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
+
+
 def _native_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `native.rms_norm` takes this norm: fp32 [rows, K] rows (K a multiple of 16) and
     weight, contiguous, where the native kernels run."""
@@ -171,8 +182,7 @@ class MLP(nn.Module):
 
             out: torch.Tensor = self.down_proj(fused.silu_mul(gate_up))
             return out
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate).mul_(up))
+        out = self.down_proj(host_swiglu(gate_up))
         return out
 
 
@@ -379,7 +389,7 @@ class LlamaModel(nn.Module):
         and V): nothing reads the other rows' outputs, so a prompt's prefill skips its last
         layer's o_proj and MLP for all but the row it samples from."""
         a = self.shard
-        qk_heads, inter = a.num_heads + a.num_kv_heads, a.intermediate_size
+        qk_heads = a.num_heads + a.num_kv_heads
         stream = HostStream(h)  # (from the embeddings: then updated in place)
         rows = h.shape[0]
         layers = self.host_layers()
@@ -401,7 +411,7 @@ class LlamaModel(nn.Module):
                 stream.keep(keep)
             stream.residual.add_(o_proj(attended))
             gate_up = gate_up_proj(stream.norm(layer.norm2, layer.eps2))
-            h = down_proj(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]))  # (slices: fewer ops than chunk)
+            h = down_proj(host_swiglu(gate_up))
         residual = stream.residual
         if logit_rows is not None and keep is None:
             h, residual = h[logit_rows], residual[logit_rows]

@@ -149,6 +149,29 @@ def test_prompt_attention_is_causal_attention(n, total):
         native.prefill_attention(q.bfloat16(), k, v, 0.125)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_swiglu_is_silu_times_up(rows):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 96, generator=gen) * 4
+    gate_up[0, :5] = torch.tensor([0.0, -0.0, 100.0, -100.0, -200.0])  # saturated both ways, zeros
+    ref = torch.nn.functional.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    torch.testing.assert_close(native.swiglu(gate_up), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.swiglu(torch.randn(2, 40))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_rows_is_index_copy(dtype):
+    dst = torch.zeros(10, 6, 64, dtype=dtype)
+    src = torch.randn(3, 15, 64).to(dtype)[:, 9:]  # rows strided, as the K/V heads of a q/k/v tensor
+    slots = torch.tensor([7, 2, 5])
+    ref = dst.clone().index_copy_(0, slots, src)
+    native.write_rows(dst, slots, src)
+    assert torch.equal(dst, ref)
+    with pytest.raises(ValueError, match="int64 slots"):
+        native.write_rows(dst, slots.int(), src)
+
+
 def test_rms_norm_errors_say_what_it_takes():
     with pytest.raises(ValueError, match="multiple of 16"):
         native.rms_norm(torch.randn(2, 24), torch.randn(24), 1e-6)
