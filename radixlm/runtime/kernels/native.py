@@ -99,7 +99,7 @@ class _Library:
         self.product = ctypes.CFUNCTYPE(None, p, p, p, p, i, i)(address("product"))
         self.attention = ctypes.CFUNCTYPE(None, p, p, i, p, i, p, i, p, p, i, i, i, ctypes.c_float, p, i, i, i, i)(
             address("attention"))
-        self.norm = ctypes.CFUNCTYPE(None, p, p, p, p, i, i, ctypes.c_float, i, i)(address("rms_norm"))
+        self.norm = ctypes.CFUNCTYPE(None, p, p, p, p, i, ctypes.c_float, i, i, i)(address("rms_norm"))
         self.rotate = ctypes.CFUNCTYPE(None, p, p, p, p, p, i, i, i, i)(address("rotate"))
         self.swiglu = ctypes.CFUNCTYPE(None, p, p, p, i, i, i, i)(address("swiglu"))
         self.write_rows = ctypes.CFUNCTYPE(None, p, i, p, i, p, i, i)(address("write_rows"))
@@ -191,6 +191,17 @@ def library(isa_name: str | None = None) -> _Library:
         raise RuntimeError("the native block products need llvmlite and a processor with AVX-512 VNNI or with "
                            "AVX2 (and RADIXLM_NATIVE not 0)")
     return _library_for(chosen)
+
+
+@contextlib.contextmanager
+def _running(lib: _Library) -> Iterator[int]:
+    """`lib` locked with its workers started, for one job; yields the OpenMP threads to run it on
+    (torch's pool outside a busy stretch, whose threads spin between torch's ops), or 0: our
+    workers (in a busy stretch they spin for it, and torch runs on one thread)."""
+    with lib.lock:
+        if not lib.threads_started:
+            lib.start()
+        yield torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
 
 
 @contextlib.contextmanager
@@ -321,15 +332,11 @@ class BlockProduct:
         padded = -(-rows // native_ir.TILE_M) * native_ir.TILE_M
         y = torch.empty((padded, self.n), dtype=self.dtype)
         lib = self.lib
-        with lib.lock:
+        with _running(lib) as omp:
             if lib.tile_values.numel() < padded * self.k:
                 lib.tile_values = torch.empty(padded * self.k, dtype=torch.int8)
                 lib.tile_scales = torch.empty(padded * self.k // GROUP * 2, dtype=torch.float32)
-            if not lib.threads_started:
-                lib.start()
             assert lib.tiles is not None
-            # outside a busy stretch torch's OpenMP threads spin between its ops: run on them
-            omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
             lib.tiles(lib.control_address, self.tile_descriptor.data_ptr(), x.data_ptr(), y.data_ptr(), rows,
                       padded, lib.workers, lib.tile_values.data_ptr(), lib.tile_scales.data_ptr(), omp)
         return y[:rows]
@@ -391,11 +398,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                          f"[K] weight; got {tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
     y = torch.empty_like(x)
     lib = library()
-    with lib.lock:
-        if not lib.threads_started:
-            lib.start()
-        omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
-        lib.norm(lib.control_address, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps,
+    with _running(lib) as omp:
+        lib.norm(lib.control_address, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[1], eps, x.shape[0],
                  lib.workers, omp)
     return y
 
@@ -433,10 +437,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     values[:, :total] = v.permute(1, 0, 2)
     lib = library()
     assert lib.prefill is not None, "prompt attention runs with the AVX-512 VNNI kernels"
-    with lib.lock:
-        if not lib.threads_started:
-            lib.start()
-        omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
+    with _running(lib) as omp:
         # each part's scores: PREFILL_ROWS rows of the keys
         scratch = torch.empty(max(omp, lib.workers + 1) * native_ir.PREFILL_ROWS * padded, dtype=torch.float32)
         lib.prefill(lib.control_address, q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
@@ -456,11 +457,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
                          f"{tuple(x.shape)} {x.dtype}, {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
     y = torch.empty_like(x)
     lib = library()
-    with lib.lock:
-        if not lib.threads_started:
-            lib.start()
-        omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
-        lib.rotate(lib.control_address, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, d,
+    with _running(lib) as omp:
+        lib.rotate(lib.control_address, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), d, x.numel() // d,
                    lib.workers, omp)
     return y
 
@@ -475,11 +473,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = gate_up.new_empty((rows, inter))
     lib = library()
-    with lib.lock:
-        if not lib.threads_started:
-            lib.start()
-        omp = torch.get_num_threads() if lib.omp and lib.busy_depth == 0 else 0
-        lib.swiglu(lib.control_address, gate_up.data_ptr(), y.data_ptr(), rows, inter, lib.workers, omp)
+    with _running(lib) as omp:
+        lib.swiglu(lib.control_address, gate_up.data_ptr(), y.data_ptr(), inter, rows, lib.workers, omp)
     return y
 
 

@@ -46,17 +46,14 @@ TILE_ISAS = ("avx512",)
 TILE_CACHE = 196_608  # bytes of int8 activations a stretch of rows takes (a thread's L2 keeps them)
 
 # the control block (int64 slots; each group on its own cache line)
-SEQ, STOP, BUSY = 0, 8, 9
+SEQ, STOP, BUSY, OMP_PARTS = 0, 8, 9, 10
 JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
 PRODUCT, ATTENTION, TILES, QUANTIZE, NORM, PREFILL, ROTATE, SWIGLU = 0, 1, 2, 3, 4, 5, 6, 7
 PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
 TILE_FIELDS = ("op", "desci", "mpad", "yi", "parts", "taqi", "tasci")
-QUANTIZE_FIELDS = ("op", "xi", "qaqi", "qasci", "parts", "chunks", "f32")  # (parts: 5th, as run_on reads it)
-NORM_FIELDS = ("op", "nxi", "nwi", "nyi", "parts", "rows", "k", "epsbits")
+QUANTIZE_FIELDS = ("op", "xi", "qaqi", "qasci", "parts", "chunks", "f32")
 NORM_ALONE = 16  # an RMSNorm of fewer rows runs on the calling thread alone
-ROTATE_FIELDS = ("op", "rxi", "rci", "rsi", "parts", "ryi", "rows", "dim")
 ROTATE_ALONE = 64  # a rotation of fewer (token, head) rows runs on the calling thread alone
-SWIGLU_FIELDS = ("op", "gxi", "gyi", "inter", "parts", "rows")
 SWIGLU_ALONE = 8  # a SwiGLU of fewer rows runs on the calling thread alone
 DESC_FIELDS = ("bits", "wi", "aqi", "asci", "n", "nch", "f32")  # a matrix's descriptor (int64s)
 ISAS = ("avx512", "avx2")  # the instruction sets the products are written for
@@ -606,7 +603,7 @@ declare i32 @omp_get_num_threads()
 
 define internal void @omp_parts(ptr %ctl) {
 entry:
-  %partsp = getelementptr i64, ptr %ctl, i64 """ + str(JOB + TILE_FIELDS.index("parts")) + """
+  %partsp = getelementptr i64, ptr %ctl, i64 """ + str(OMP_PARTS) + """
   %parts = load i64, ptr %partsp, align 8
   %t = call i32 @omp_get_thread_num()
   %nt = call i32 @omp_get_num_threads()
@@ -630,6 +627,8 @@ entry:
   %inomp = icmp ne i64 %threads, 0
   br i1 %inomp, label %omp, label %ours
 omp:
+  %partsp = getelementptr i64, ptr %ctl, i64 """ + str(OMP_PARTS) + """
+  store i64 %threads, ptr %partsp, align 8
   %n = trunc i64 %threads to i32
   call void @GOMP_parallel(ptr @omp_parts, ptr %ctl, i32 %n, i32 0)
   ret void
@@ -641,12 +640,12 @@ ours:
 
 
 def _norm() -> str:
-    """rms_norm(ctl, x, w, y, rows, k, eps, workers, threads): y = x / sqrt(mean(x^2) + eps) * w
+    """rms_norm(ctl, x, w, y, k, eps, rows, workers, threads): y = x / sqrt(mean(x^2) + eps) * w
     for fp32 rows of k (a multiple of 16) values, as HF's RMSNorm orders it; rows split between
     threads (`run_on`), or on the caller alone below NORM_ALONE rows."""
     vector = "<16 x float>"
     return f"""
-define internal void @norm_rows(ptr %x, ptr %w, ptr %y, i64 %r0, i64 %r1, i64 %k, float %eps) {{
+define internal void @rms_norm_rows(ptr %x, ptr %w, ptr %y, i64 %k, float %eps, i64 %r0, i64 %r1) {{
 entry:
   %none = icmp uge i64 %r0, %r1
   %kf = uitofp i64 %k to float
@@ -694,41 +693,8 @@ scaled:
 exit:
   ret void
 }}
-
-define void @norm_part(ptr %ctl, i64 %index) {{
-entry:
-{_loads("ctl", JOB, NORM_FIELDS)}
-  %x = inttoptr i64 %nxi to ptr
-  %w = inttoptr i64 %nwi to ptr
-  %y = inttoptr i64 %nyi to ptr
-  %e32 = trunc i64 %epsbits to i32
-  %eps = bitcast i32 %e32 to float
-{_share("rows", "r0", "r1")}
-  call void @norm_rows(ptr %x, ptr %w, ptr %y, i64 %r0, i64 %r1, i64 %k, float %eps)
-  ret void
-}}
-
-define void @rms_norm(ptr %ctl, ptr %x, ptr %w, ptr %y, i64 %rows, i64 %k, float %eps, i64 %workers, i64 %threads) {{
-entry:
-  %alone = icmp ult i64 %rows, {NORM_ALONE}
-  br i1 %alone, label %here, label %shared
-here:
-  call void @norm_rows(ptr %x, ptr %w, ptr %y, i64 0, i64 %rows, i64 %k, float %eps)
-  ret void
-shared:
-  %ours = add i64 %workers, 1
-  %inomp = icmp ne i64 %threads, 0
-  %parts = select i1 %inomp, i64 %threads, i64 %ours
-  %nxi = ptrtoint ptr %x to i64
-  %nwi = ptrtoint ptr %w to i64
-  %nyi = ptrtoint ptr %y to i64
-  %e32 = bitcast float %eps to i32
-  %epsbits = zext i32 %e32 to i64
-{_post(NORM, NORM_FIELDS)}
-  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
-  ret void
-}}
-"""
+""" + _row_job("rms_norm", NORM, (("x", "ptr"), ("w", "ptr"), ("y", "ptr"), ("k", "i64"), ("eps", "float")),
+               NORM_ALONE)
 
 
 PREFILL_ROWS = 8  # query rows (positions of one head) a native prompt-attention item takes
@@ -983,7 +949,7 @@ exit:
 
 
 def _swiglu() -> str:
-    """swiglu(ctl, gu, y, rows, inter, workers, threads): y = silu(g) * u for fp32 rows [g | u] of
+    """swiglu(ctl, gu, y, inter, rows, workers, threads): y = silu(g) * u for fp32 rows [g | u] of
     2 * inter values (inter a multiple of 16), silu(g) = g / (1 + e^-g) with e^-|g| as 2^n 2^f,
     n = rint, |f| <= 1/2, 2^f a degree-7 polynomial (relative error ~1e-8)."""
     v = "<16 x float>"
@@ -994,7 +960,7 @@ def _swiglu() -> str:
                     f"{v} {_splat('float', 16, _f32(coefficients[k]))})")
     one = _splat("float", 16, "1.0")
     return f"""
-define internal void @swiglu_rows(ptr %gu, ptr %y, i64 %r0, i64 %r1, i64 %inter) {{
+define internal void @swiglu_rows(ptr %gu, ptr %y, i64 %inter, i64 %r0, i64 %r1) {{
 entry:
   %none = icmp uge i64 %r0, %r1
   %width = shl i64 %inter, 1
@@ -1042,43 +1008,15 @@ rowdone:
 exit:
   ret void
 }}
-
-define void @swiglu_part(ptr %ctl, i64 %index) {{
-entry:
-{_loads("ctl", JOB, SWIGLU_FIELDS)}
-  %gu = inttoptr i64 %gxi to ptr
-  %y = inttoptr i64 %gyi to ptr
-{_share("rows", "r0", "r1")}
-  call void @swiglu_rows(ptr %gu, ptr %y, i64 %r0, i64 %r1, i64 %inter)
-  ret void
-}}
-
-define void @swiglu(ptr %ctl, ptr %gu, ptr %y, i64 %rows, i64 %inter, i64 %workers, i64 %threads) {{
-entry:
-  %alone = icmp ult i64 %rows, {SWIGLU_ALONE}
-  br i1 %alone, label %here, label %shared
-here:
-  call void @swiglu_rows(ptr %gu, ptr %y, i64 0, i64 %rows, i64 %inter)
-  ret void
-shared:
-  %ours = add i64 %workers, 1
-  %inomp = icmp ne i64 %threads, 0
-  %parts = select i1 %inomp, i64 %threads, i64 %ours
-  %gxi = ptrtoint ptr %gu to i64
-  %gyi = ptrtoint ptr %y to i64
-{_post(SWIGLU, SWIGLU_FIELDS)}
-  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
-  ret void
-}}
-"""
+""" + _row_job("swiglu", SWIGLU, (("gu", "ptr"), ("y", "ptr"), ("inter", "i64")), SWIGLU_ALONE)
 
 
 def _rotate() -> str:
-    """rotate(ctl, x, cos, sin, y, rows, dim, workers, threads): y = x * cos + roll(x, dim / 2) * sin
+    """rotate(ctl, x, cos, sin, y, dim, rows, workers, threads): y = x * cos + roll(x, dim / 2) * sin
     for fp32 rows of dim 64 or 128 (the rotary embedding over a token's heads, `RotaryBatch.rotate`),
     each product rounded, then the sum: the same values as those three torch ops."""
     v = "<16 x float>"
-    out = ["define internal void @rotate_rows(ptr %x, ptr %c, ptr %s, ptr %y, i64 %r0, i64 %r1, i64 %dim) {",
+    out = ["define internal void @rotate_rows(ptr %x, ptr %c, ptr %s, ptr %y, i64 %dim, i64 %r0, i64 %r1) {",
            "entry:",
            "  %none = icmp uge i64 %r0, %r1",
            "  %wide = icmp eq i64 %dim, 128",
@@ -1115,40 +1053,50 @@ def _rotate() -> str:
             "exit:",
             "  ret void",
             "}",
-            "",
-            "define void @rotate_part(ptr %ctl, i64 %index) {",
-            "entry:",
-            _loads("ctl", JOB, ROTATE_FIELDS),
-            "  %x = inttoptr i64 %rxi to ptr",
-            "  %c = inttoptr i64 %rci to ptr",
-            "  %s = inttoptr i64 %rsi to ptr",
-            "  %y = inttoptr i64 %ryi to ptr",
-            _share("rows", "r0", "r1"),
-            "  call void @rotate_rows(ptr %x, ptr %c, ptr %s, ptr %y, i64 %r0, i64 %r1, i64 %dim)",
-            "  ret void",
-            "}",
-            "",
-            "define void @rotate(ptr %ctl, ptr %x, ptr %c, ptr %s, ptr %y, i64 %rows, i64 %dim, i64 %workers, "
-            "i64 %threads) {",
-            "entry:",
-            f"  %alone = icmp ult i64 %rows, {ROTATE_ALONE}",
-            "  br i1 %alone, label %here, label %shared",
-            "here:",
-            "  call void @rotate_rows(ptr %x, ptr %c, ptr %s, ptr %y, i64 0, i64 %rows, i64 %dim)",
-            "  ret void",
-            "shared:",
-            "  %ours = add i64 %workers, 1",
-            "  %inomp = icmp ne i64 %threads, 0",
-            "  %parts = select i1 %inomp, i64 %threads, i64 %ours",
-            "  %rxi = ptrtoint ptr %x to i64",
-            "  %rci = ptrtoint ptr %c to i64",
-            "  %rsi = ptrtoint ptr %s to i64",
-            "  %ryi = ptrtoint ptr %y to i64",
-            _post(ROTATE, ROTATE_FIELDS),
-            "  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)",
-            "  ret void",
-            "}"]
-    return "\n".join(out) + "\n"
+            ""]
+    return "\n".join(out) + "\n" + _row_job("rotate", ROTATE, (("x", "ptr"), ("c", "ptr"), ("s", "ptr"), ("y", "ptr"),
+                                                              ("dim", "i64")), ROTATE_ALONE)
+
+
+def _row_job(name: str, op: int, params: tuple[tuple[str, str], ...], alone: int) -> str:
+    """{name}(ctl, <params>, rows, workers, threads) and {name}_part(ctl, index): @{name}_rows(<params>,
+    r0, r1) over `rows` rows, split between the parts (`run_on`), or on the caller alone below
+    `alone` rows. A param is (its name, ptr / i64 / float); the job holds each as an i64."""
+    fields = ("op", *(f"f_{p}" for p, _ in params), "parts", "rows")
+    unpack = {"ptr": "  %{p} = inttoptr i64 %f_{p} to ptr",
+              "i64": "  %{p} = add i64 %f_{p}, 0",
+              "float": "  %{p}.t = trunc i64 %f_{p} to i32\n  %{p} = bitcast i32 %{p}.t to float"}
+    pack = {"ptr": "  %f_{p} = ptrtoint ptr %{p} to i64",
+            "i64": "  %f_{p} = add i64 %{p}, 0",
+            "float": "  %{p}.t = bitcast float %{p} to i32\n  %f_{p} = zext i32 %{p}.t to i64"}
+    signature = ", ".join(f"{kind} %{p}" for p, kind in params)
+    return f"""
+define void @{name}_part(ptr %ctl, i64 %index) {{
+entry:
+{_loads("ctl", JOB, fields)}
+{chr(10).join(unpack[kind].format(p=p) for p, kind in params)}
+{_share("rows", "r0", "r1")}
+  call void @{name}_rows({signature}, i64 %r0, i64 %r1)
+  ret void
+}}
+
+define void @{name}(ptr %ctl, {signature}, i64 %rows, i64 %workers, i64 %threads) {{
+entry:
+  %alone = icmp ult i64 %rows, {alone}
+  br i1 %alone, label %here, label %shared
+here:
+  call void @{name}_rows({signature}, i64 0, i64 %rows)
+  ret void
+shared:
+  %ours = add i64 %workers, 1
+  %inomp = icmp ne i64 %threads, 0
+  %parts = select i1 %inomp, i64 %threads, i64 %ours
+{chr(10).join(pack[kind].format(p=p) for p, kind in params)}
+{_post(op, fields)}
+  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
+  ret void
+}}
+"""
 
 
 def _loads(base: str, offset: int, names: tuple[str, ...]) -> str:
@@ -1208,9 +1156,9 @@ def _threads(tiles: bool) -> str:
     """worker(ctl, i): run part i + 1 of each job until `stop` (every job since the control block
     was zeroed: a worker that starts after the first job was posted still runs it); run_job: post
     a job, run part 0, wait for the workers. `tiles`: the module has the tiled products."""
-    tiles_case = f"i64 {NORM}, label %norm i64 {ROTATE}, label %rotate i64 {SWIGLU}, label %swiglu " + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize "
+    tiles_case = f"i64 {NORM}, label %rms_norm i64 {ROTATE}, label %rotate i64 {SWIGLU}, label %swiglu " + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize "
                                                 f"i64 {PREFILL}, label %prefill " if tiles else "")
-    tiles_block = ("norm:\n  call void @norm_part(ptr %ctl, i64 %index)\n  ret void\n"
+    tiles_block = ("rms_norm:\n  call void @rms_norm_part(ptr %ctl, i64 %index)\n  ret void\n"
                    "rotate:\n  call void @rotate_part(ptr %ctl, i64 %index)\n  ret void\n"
                    "swiglu:\n  call void @swiglu_part(ptr %ctl, i64 %index)\n  ret void\n") + (
         "tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"

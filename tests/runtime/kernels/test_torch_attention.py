@@ -6,6 +6,8 @@ prompts of head size 64 on the native prompt attention where it runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ HEADS, KV_HEADS, D = 6, 2, 16
 ARCH = ModelArch(family="llama", vocab_size=64, hidden_size=HEADS * D, intermediate_size=64, num_layers=1,
                  num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D, rms_norm_eps=1e-5, rope_theta=10000.0,
                  max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False)
+ARCH_64 = dataclasses.replace(ARCH, hidden_size=HEADS * 64, head_dim=64, max_position_embeddings=512)
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> torch.Tensor:
@@ -101,11 +104,8 @@ def test_torch_attention_matches_per_head_reference(plan, dtype):
 ])
 def test_fp32_prompts_on_the_native_attention_match_the_reference(plan):
     d = 64
-    arch = ModelArch(family="llama", vocab_size=64, hidden_size=HEADS * d, intermediate_size=64, num_layers=1,
-                     num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d, rms_norm_eps=1e-5, rope_theta=10000.0,
-                     max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False)
     gen = torch.Generator().manual_seed(1)
-    pool = KVPool(arch, 1024, torch.float32, "cpu")
+    pool = KVPool(ARCH_64, 1024, torch.float32, "cpu")
     att = TorchAttention(pool, HEADS, d)
     table, new_slots, q_starts, q_lens, kv_lens, history = _cached(pool, plan, d, torch.float32, gen,
                                                                    torch.arange(1, 1025))
@@ -171,11 +171,8 @@ def test_decodes_on_the_native_kernels_match_the_reference(plan):
     from radixlm.runtime.kernels import native
 
     d = 64
-    arch = ModelArch(family="llama", vocab_size=64, hidden_size=HEADS * d, intermediate_size=64, num_layers=1,
-                     num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d, rms_norm_eps=1e-5, rope_theta=10000.0,
-                     max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False)
     gen = torch.Generator().manual_seed(1)
-    pool = KVPool(arch, 2048, torch.bfloat16, "cpu")
+    pool = KVPool(ARCH_64, 2048, torch.bfloat16, "cpu")
     att = TorchAttention(pool, HEADS, d)
     assert att.native == native.available()
     scattered = torch.randperm(2000, generator=gen) + 1  # as a busy cache leaves the free slots
