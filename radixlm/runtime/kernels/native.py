@@ -103,6 +103,7 @@ class _Library:
         self.rotate = ctypes.CFUNCTYPE(None, p, p, p, p, p, i, i, i, i)(address("rotate"))
         self.swiglu = ctypes.CFUNCTYPE(None, p, p, p, i, i, i, i)(address("swiglu"))
         self.write_rows = ctypes.CFUNCTYPE(None, p, i, p, i, p, i, i)(address("write_rows"))
+        self.decode_layers = ctypes.CFUNCTYPE(None, p, p)(address("decode_layers"))
         self.prefill = (ctypes.CFUNCTYPE(None, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, i, p)(
             address("prefill")) if isa in native_ir.TILE_ISAS else None)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
@@ -113,7 +114,8 @@ class _Library:
         self.tile_scales = torch.empty(0, dtype=torch.float32)
         self.worker = ctypes.CFUNCTYPE(None, p, i)(address("worker"))
         self.wake = ctypes.CFUNCTYPE(None, p, i)(address("wake"))
-        self.control = torch.zeros(native_ir.CONTROL_SLOTS, dtype=torch.int64)
+        with torch.inference_mode(False):  # (written in place outside a forward too: at stop, at start)
+            self.control = torch.zeros(native_ir.CONTROL_SLOTS, dtype=torch.int64)
         self.control_address = self.control.data_ptr()
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []

@@ -1058,6 +1058,109 @@ def _rotate() -> str:
                                                               ("dim", "i64")), ROTATE_ALONE)
 
 
+# a CPU decode step of the whole model's layers in one call (`decode_layers`): the step's buffers and
+# shapes, then per layer its four products' descriptors, its norms' weights and eps, its pool layer
+STEP_FIELDS = ("m", "residual", "x", "qkv", "rot", "att", "o", "gu", "act", "h", "cos", "sin", "slots", "idx",
+               "maxkv", "lens", "heads", "kvheads", "d", "hidden", "inter", "scalebits", "scratch", "sstride",
+               "workers", "layers", "count")
+LAYER_FIELDS = ("qkvdesc", "odesc", "gudesc", "downdesc", "norm1", "norm2", "eps1bits", "eps2bits", "kvlayer")
+_STEP_POINTERS = ("residual", "x", "qkv", "rot", "att", "o", "gu", "act", "h", "cos", "sin", "slots", "idx", "lens",
+                  "scratch", "layers")
+
+
+def _decode_layers() -> str:
+    """decode_layers(ctl, step): the decoder layers of a CPU decode step of few rows (the row
+    kernels' products), each op the native function the layer loop would call, in its order and on
+    its buffers, so the results are the same to the bit: residual += h (after the first layer);
+    x = rms_norm(residual); qkv; rotary over q, k and v heads (v as they are); the step's K/V rows
+    into the pool layer; decode attention; residual += o_proj; x = rms_norm(residual); gate/up;
+    SwiGLU; h = down_proj. fp32 only. `add_rows(x, y, n)`: x += y over n floats."""
+    v = "<16 x float>"
+    step = "\n".join(f"  %{name}.s = inttoptr i64 %{name} to ptr" for name in _STEP_POINTERS)
+    return f"""
+define internal void @add_rows(ptr %x, ptr %y, i64 %n) {{
+entry:
+  %none = icmp eq i64 %n, 0
+  br i1 %none, label %exit, label %loop
+loop:
+  %i = phi i64 [0, %entry], [%i.next, %loop]
+  %xp = getelementptr float, ptr %x, i64 %i
+  %xv = load {v}, ptr %xp, align 4
+  %yp = getelementptr float, ptr %y, i64 %i
+  %yv = load {v}, ptr %yp, align 4
+  %sv = fadd {v} %xv, %yv
+  store {v} %sv, ptr %xp, align 4
+  %i.next = add i64 %i, 16
+  %more = icmp ult i64 %i.next, %n
+  br i1 %more, label %loop, label %exit
+exit:
+  ret void
+}}
+
+define void @decode_layers(ptr %ctl, ptr %step) {{
+entry:
+{_loads("step", 0, STEP_FIELDS)}
+{step}
+  %s32 = trunc i64 %scalebits to i32
+  %scale = bitcast i32 %s32 to float
+  %mh = mul i64 %m, %hidden
+  %allheads = add i64 %heads, %kvheads
+  %allheads2 = add i64 %allheads, %kvheads
+  %rotrows = mul i64 %m, %allheads2
+  %qstride = mul i64 %allheads2, %d
+  %kvwidth0 = mul i64 %kvheads, %d
+  %kvstride = shl i64 %kvwidth0, 1
+  %kvbytes = shl i64 %kvstride, 2
+  %rowbytes = shl i64 %qstride, 2
+  %koff = mul i64 %heads, %d
+  %krot = getelementptr float, ptr %rot.s, i64 %koff
+  %items = mul i64 %m, %heads
+  %none = icmp eq i64 %count, 0
+  br i1 %none, label %exit, label %layer
+layer:
+  %l = phi i64 [0, %entry], [%l.next, %layer]
+  %lo = mul i64 %l, {len(LAYER_FIELDS)}
+  %ld = getelementptr i64, ptr %layers.s, i64 %lo
+{_loads("ld", 0, LAYER_FIELDS)}
+  %qkvdesc.p2 = inttoptr i64 %qkvdesc to ptr
+  %odesc.p2 = inttoptr i64 %odesc to ptr
+  %gudesc.p2 = inttoptr i64 %gudesc to ptr
+  %downdesc.p2 = inttoptr i64 %downdesc to ptr
+  %norm1.p2 = inttoptr i64 %norm1 to ptr
+  %norm2.p2 = inttoptr i64 %norm2 to ptr
+  %kv = inttoptr i64 %kvlayer to ptr
+  %e1 = trunc i64 %eps1bits to i32
+  %eps1 = bitcast i32 %e1 to float
+  %e2 = trunc i64 %eps2bits to i32
+  %eps2 = bitcast i32 %e2 to float
+  %first = icmp eq i64 %l, 0
+  %addn = select i1 %first, i64 0, i64 %mh
+  call void @add_rows(ptr %residual.s, ptr %h.s, i64 %addn)
+  call void @rms_norm(ptr %ctl, ptr %residual.s, ptr %norm1.p2, ptr %x.s, i64 %hidden, float %eps1, i64 %m,
+                      i64 %workers, i64 0)
+  call void @product(ptr %ctl, ptr %qkvdesc.p2, ptr %x.s, ptr %qkv.s, i64 %m, i64 %workers)
+  call void @rotate(ptr %ctl, ptr %qkv.s, ptr %cos.s, ptr %sin.s, ptr %rot.s, i64 %d, i64 %rotrows, i64 %workers,
+                    i64 0)
+  call void @write_rows(ptr %kv, i64 %kvbytes, ptr %krot, i64 %rowbytes, ptr %slots.s, i64 %m, i64 %kvbytes)
+  call void @attention(ptr %ctl, ptr %rot.s, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx.s, i64 %maxkv,
+                       ptr %lens.s, ptr %att.s, i64 %items, i64 %heads, i64 %kvheads, float %scale, ptr %scratch.s,
+                       i64 %sstride, i64 %workers, i64 %d, i64 1)
+  call void @product(ptr %ctl, ptr %odesc.p2, ptr %att.s, ptr %o.s, i64 %m, i64 %workers)
+  call void @add_rows(ptr %residual.s, ptr %o.s, i64 %mh)
+  call void @rms_norm(ptr %ctl, ptr %residual.s, ptr %norm2.p2, ptr %x.s, i64 %hidden, float %eps2, i64 %m,
+                      i64 %workers, i64 0)
+  call void @product(ptr %ctl, ptr %gudesc.p2, ptr %x.s, ptr %gu.s, i64 %m, i64 %workers)
+  call void @swiglu(ptr %ctl, ptr %gu.s, ptr %act.s, i64 %inter, i64 %m, i64 %workers, i64 0)
+  call void @product(ptr %ctl, ptr %downdesc.p2, ptr %act.s, ptr %h.s, i64 %m, i64 %workers)
+  %l.next = add i64 %l, 1
+  %more = icmp ult i64 %l.next, %count
+  br i1 %more, label %layer, label %exit
+exit:
+  ret void
+}}
+"""
+
+
 def _row_job(name: str, op: int, params: tuple[tuple[str, str], ...], alone: int) -> str:
     """{name}(ctl, <params>, rows, workers, threads) and {name}_part(ctl, index): @{name}_rows(<params>,
     r0, r1) over `rows` rows, split between the parts (`run_on`), or on the caller alone below
@@ -1535,4 +1638,5 @@ def module_ir(isa: str = "avx512", omp: bool = False) -> str:
     tiles = ("".join(_tile(bits, act) for act in ACTS for bits in TILE_BYTES) + _tiles_part() + _prefill()
              if isa in TILE_ISAS else "")
     return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm() + _rotate() + _swiglu() + _write_rows()
+            + _decode_layers()
             + _run_on(omp and bool(tiles)) + _threads(bool(tiles)))

@@ -30,6 +30,7 @@ from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
 from radixlm.runtime.kernels.packed import DenseLinear
 from radixlm.runtime.kernels.quant import NativeBlockLinear, WeightOnlyLinear
 from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.fused_decode import FusedDecode
 from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
 
 PAIRED_NORM = (torch.bfloat16, torch.float32)  # dtypes whose CPU RMSNorm runs as LayerNorm over [x, -x]
@@ -297,6 +298,8 @@ class LlamaModel(nn.Module):
         self.host_head: nn.Module | None = None
         self._host_layers: list[HostLayer] | None = None  # bound at the first CPU forward
         self._native_rows: int | None = None  # steps of up to this many rows run native.busy()
+        self._fused_rows: int | None = None  # decode steps of up to this many rows run as one native call
+        self._fused: FusedDecode | None = None
 
     def host_layers(self) -> list[HostLayer]:
         """The layers bound for the CPU loop; `rebind()` after replacing a layer's modules."""
@@ -305,7 +308,7 @@ class LlamaModel(nn.Module):
         return self._host_layers
 
     def rebind(self) -> None:
-        self._host_layers, self._native_rows = None, None
+        self._host_layers, self._native_rows, self._fused_rows, self._fused = None, None, None, None
 
     def packed_weights(self) -> int:
         """How many weight matrices (layers, LM head, quantized layers' dense copies) are packed
@@ -346,7 +349,11 @@ class LlamaModel(nn.Module):
                 h, residual = h[logit_rows], residual[logit_rows]
         else:
             with self._native_busy(h.shape[0]):
-                h, residual = self._forward_host(h, rotary, backend, logit_rows)
+                fused = self._fused_decode(h, backend, logit_rows)
+                if fused is not None:
+                    h, residual = fused.run(h, rotary, cast("TorchAttention", backend))
+                else:
+                    h, residual = self._forward_host(h, rotary, backend, logit_rows)
                 return self._logits(h, residual)
         return self._logits(h, residual)
 
@@ -355,6 +362,18 @@ class LlamaModel(nn.Module):
         if self.host_head is not None:
             return cast("torch.Tensor", self.host_head(h)).float()
         return self._whole_vocab(linear(h, self.lm_head_weight).float())
+
+    def _fused_decode(self, h: torch.Tensor, backend: AttentionBackend,
+                      logit_rows: torch.Tensor | None) -> FusedDecode | None:
+        """The layers bound for one native call (`fused_decode`), where this step can run so."""
+        if self._fused_rows is None:
+            self._fused_rows = FusedDecode.supported(self)
+        if not self._fused_rows or not FusedDecode.fits(h, backend, logit_rows, self._fused_rows):
+            return None
+        attention = cast("TorchAttention", backend)
+        if self._fused is None or self._fused.pool is not attention.pool:
+            self._fused = FusedDecode(self, attention)
+        return self._fused
 
     def _native_busy(self, rows: int) -> contextlib.AbstractContextManager[None]:
         """A CPU step whose products run on the native kernels' threads (radixlm.runtime.kernels.

@@ -1,7 +1,7 @@
 """The CPU layer loop over bound modules (LlamaModel._forward_host) runs the same ops as the
 decoder layers as modules (`_forward_modules`, the CUDA path above the few-row kernels): the
 same results to the bit, dense and with weight-only quantized linears swapped in after the
-loop had bound the dense ones."""
+loop had bound the dense ones; and fp32 decode steps as one native call give the loop's."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ import sys
 import pytest
 import torch
 
+from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
 from radixlm.runtime.kernels.kv_pool import KVPool
 from radixlm.runtime.model import loader
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice
+from radixlm.runtime.model.fused_decode import FusedDecode
 from radixlm.runtime.model.llama import LlamaModel
 from radixlm.runtime.model.loader import build_model, quantize_linears
 
@@ -75,3 +77,41 @@ def test_host_loop_rebinds_after_quantization(monkeypatch, attention_bias, dense
     assert layer.few[1] != layer.linears[1]  # o: the kernel alone
     assert (layer.few[0] == layer.linears[0]) == attention_bias  # q/k/v with a bias: its forward
     _both_paths(model, torch.bfloat16)
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the native kernels")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_decode_equals_the_layer_loop(monkeypatch, rows):
+    """fp32 decode steps of few rows on the native kernels as one call (`FusedDecode`): the
+    layer loop's results to the bit, K/V rows written alike; steps it does not take (a prompt,
+    rows past MAX_ROWS) keep the loop."""
+    monkeypatch.setattr(loader, "packs", lambda weight: False)
+    arch = dataclasses.replace(ARCH, head_dim=64, attention_bias=False, num_heads=2, num_kv_heads=1)
+    model = build_model(arch, None, torch.float32, "cpu", max_positions=256, seed=1)
+    quantize_linears(model, QuantChoice("q4", None, "test"), torch.float32, None)
+    assert FusedDecode.supported(model) == 4
+    pool = KVPool(model.shard, 128, torch.float32, "cpu")
+    att = TorchAttention(pool, arch.num_heads, arch.head_dim)
+    table = torch.arange(1, 1 + rows * 32).view(rows, 32)
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, arch.vocab_size, (rows, 14), generator=gen)
+    assert model.rope is not None
+    with torch.inference_mode():
+        for i in range(rows):  # each sequence's 10-token prompt, through the loop
+            att.prepare(AttentionMeta(table[i, :10], table, [i], [0], [10], [10]))
+            h = model.embed_tokens(ids[i, :10])
+            assert model._fused_decode(h, att, None) is None
+            model._forward_host(h, model.rope.batch(torch.arange(10), h.dtype), att, None)
+        for pos in range(10, 14):  # then decode steps of all the rows
+            att.prepare(AttentionMeta(table[:, pos], table, list(range(rows)), list(range(rows)), [1] * rows,
+                                      [pos + 1] * rows))
+            h = model.embed_tokens(ids[:, pos])
+            rotary = model.rope.batch(torch.full((rows,), pos), h.dtype)
+            before = pool.kv.clone()
+            loop_h, loop_res = model._forward_host(h.clone(), rotary, att, None)
+            written, pool.kv[:] = pool.kv.clone(), before
+            fused = model._fused_decode(h, att, None)
+            assert fused is not None
+            fused_h, fused_res = fused.run(h.clone(), rotary, att)
+            assert torch.equal(fused_h, loop_h) and torch.equal(fused_res, loop_res)
+            assert torch.equal(pool.kv, written) and loop_h.abs().sum() > 0

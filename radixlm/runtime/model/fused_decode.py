@@ -1,0 +1,128 @@
+"""A CPU decode step's decoder layers in one native call (`native_ir.decode_layers`).
+
+At batch 1 the layer loop issues ~13 calls a layer from Python (norms, the four products, the
+rotation, the K/V write, the attention, SwiGLU, two adds): ~390 a step of the default model, each
+a few microseconds of ctypes, tensor allocation and dispatch on top of its work. Where every one
+of them would run on the native kernels anyway (fp32, the row kernels' products, native decode
+attention), the same functions are called in the same order on the same buffers from one IR
+function, so the results are equal to the bit; the layer loop stays for everything else.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from radixlm.runtime.kernels import native, native_ir
+from radixlm.runtime.kernels.quant import NativeBlockLinear
+
+if TYPE_CHECKING:
+    from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
+    from radixlm.runtime.model.llama import DecoderLayer, LlamaModel
+    from radixlm.runtime.model.rope import RotaryBatch
+
+
+def _bits(value: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", value))[0])
+
+
+def _layers(model: LlamaModel) -> list[DecoderLayer]:
+    return cast("list[DecoderLayer]", list(model.layers))
+
+
+def _linears(layer: DecoderLayer) -> tuple[nn.Module, ...]:
+    """The layer's four products, in the order `decode_layers` takes their descriptors."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _norms(layer: DecoderLayer) -> tuple[torch.Tensor, float, torch.Tensor, float]:
+    first, second = layer.input_layernorm, layer.post_attention_layernorm
+    return first.weight, first.eps, second.weight, second.eps
+
+
+class FusedDecode:
+    """The model's layers bound for `decode_layers`: their descriptors, and per step shape the
+    buffers the ops write (reused from step to step)."""
+
+    def __init__(self, model: LlamaModel, backend: TorchAttention) -> None:
+        a = model.shard
+        self.heads, self.kv_heads, self.d = a.num_heads, a.num_kv_heads, a.head_dim
+        self.hidden, self.inter = a.hidden_size, a.intermediate_size
+        self.pool = backend.pool
+        assert self.pool.kv_layers is not None
+        rows = []
+        for layer, kv in zip(_layers(model), self.pool.kv_layers, strict=True):
+            products = [cast("NativeBlockLinear", m).product.descriptor_address for m in _linears(layer)]
+            w1, eps1, w2, eps2 = _norms(layer)
+            rows.append([*products, w1.data_ptr(), w2.data_ptr(), _bits(eps1), _bits(eps2), kv.data_ptr()])
+        self.layers = torch.tensor(rows, dtype=torch.int64)
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def supported(model: LlamaModel) -> int:
+        """Up to how many rows the model's layers could run as one call (0: never): fp32 on the
+        native kernels, no tensor parallelism, every layer's four products on the row kernels
+        without bias (up to their `kernel_rows`, at most MAX_ROWS), norms and sizes the native ops
+        take."""
+        a = model.shard
+        layers = _layers(model)
+        linears = [m for layer in layers for m in _linears(layer)]
+        norms = [w for layer in layers for w in _norms(layer)[::2]]
+        native_linears = [m for m in linears if isinstance(m, NativeBlockLinear) and m.bias is None
+                          and m.product.dtype == torch.float32]
+        if (model.tp is not None or not native.available() or a.head_dim not in native_ir.HEAD_DIMS
+                or a.hidden_size % 16 or a.intermediate_size % 16 or not linears
+                or len(native_linears) != len(linears)
+                or not all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_contiguous()
+                           for w in norms)):
+            return 0
+        return min(native_ir.MAX_ROWS, *(m.kernel_rows for m in native_linears))
+
+    @staticmethod
+    def fits(h: torch.Tensor, backend: object, logit_rows: torch.Tensor | None, rows: int) -> bool:
+        """Whether this step runs as one call: decode rows only (at most `rows`), every row's
+        logits, on the native decode attention."""
+        from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
+
+        return (0 < h.shape[0] <= rows and logit_rows is None and isinstance(backend, TorchAttention)
+                and backend.decode_only and backend.native)
+
+    def _buffers(self, m: int) -> dict[str, torch.Tensor]:
+        if m not in self.buffers:
+            all_heads = self.heads + 2 * self.kv_heads
+            shapes = {"x": self.hidden, "qkv": all_heads * self.d, "rot": all_heads * self.d,
+                      "att": self.heads * self.d, "o": self.hidden, "gu": 2 * self.inter, "act": self.inter,
+                      "h": self.hidden}
+            self.buffers[m] = {name: torch.empty(m, width) for name, width in shapes.items()}
+        return self.buffers[m]
+
+    def run(self, h: torch.Tensor, rotary: RotaryBatch, backend: TorchAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers of a decode step: (the last MLP output, the residual stream before it), as
+        `LlamaModel._forward_host` returns them. `h` (the embeddings) becomes the residual."""
+        m = h.shape[0]
+        residual = h.contiguous()
+        buffers = self._buffers(m)
+        cos, sin = rotary.tables_with_values(self.heads + self.kv_heads, self.kv_heads)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots = backend.meta.out_slots.contiguous()
+        idx, lens = backend.decode_kv_idx.contiguous(), backend.decode_lens.contiguous()
+        longest = idx.numel() // m
+        lib = native.library()
+        with lib.lock:
+            if not lib.threads_started:
+                lib.start()
+            parts = lib.workers + 1
+            if lib.scratch.numel() < parts * longest:
+                lib.scratch = torch.empty(parts * max(longest, 1024), dtype=torch.float32)
+            fields = {"m": m, "residual": residual.data_ptr(), **{k: t.data_ptr() for k, t in buffers.items()},
+                      "cos": cos.data_ptr(), "sin": sin.data_ptr(), "slots": slots.data_ptr(), "idx": idx.data_ptr(),
+                      "maxkv": longest, "lens": lens.data_ptr(), "heads": self.heads, "kvheads": self.kv_heads,
+                      "d": self.d, "hidden": self.hidden, "inter": self.inter, "scalebits": _bits(backend.scale),
+                      "scratch": lib.scratch.data_ptr(), "sstride": lib.scratch.numel() // parts,
+                      "workers": lib.workers, "layers": self.layers.data_ptr(), "count": self.layers.shape[0]}
+            step = torch.tensor([fields[f] for f in native_ir.STEP_FIELDS], dtype=torch.int64)
+            lib.decode_layers(lib.control_address, step.data_ptr())
+        return buffers["h"], residual
