@@ -1062,19 +1062,23 @@ def _rotate() -> str:
 # shapes, then per layer its four products' descriptors, its norms' weights and eps, its pool layer
 STEP_FIELDS = ("m", "residual", "x", "qkv", "rot", "att", "o", "gu", "act", "h", "cos", "sin", "slots", "idx",
                "maxkv", "lens", "heads", "kvheads", "d", "hidden", "inter", "scalebits", "scratch", "sstride",
-               "workers", "layers", "count")
-LAYER_FIELDS = ("qkvdesc", "odesc", "gudesc", "downdesc", "norm1", "norm2", "eps1bits", "eps2bits", "kvlayer")
+               "workers", "layers", "count", "mpad", "tvals", "tscales")
+# (a product's tiled descriptor is 0 where it has none: the fused step then has at most MAX_ROWS rows)
+LAYER_FIELDS = ("qkvdesc", "odesc", "gudesc", "downdesc", "norm1", "norm2", "eps1bits", "eps2bits", "kvlayer",
+                "qkvtiles", "otiles", "gutiles", "downtiles")
 _STEP_POINTERS = ("residual", "x", "qkv", "rot", "att", "o", "gu", "act", "h", "cos", "sin", "slots", "idx", "lens",
-                  "scratch", "layers")
+                  "scratch", "layers", "tvals", "tscales")
 
 
-def _decode_layers() -> str:
+def _decode_layers(tiled: bool) -> str:
     """decode_layers(ctl, step): the decoder layers of a CPU decode step of few rows (the row
     kernels' products), each op the native function the layer loop would call, in its order and on
     its buffers, so the results are the same to the bit: residual += h (after the first layer);
     x = rms_norm(residual); qkv; rotary over q, k and v heads (v as they are); the step's K/V rows
     into the pool layer; decode attention; residual += o_proj; x = rms_norm(residual); gate/up;
-    SwiGLU; h = down_proj. fp32 only. `add_rows(x, y, n)`: x += y over n floats."""
+    SwiGLU; h = down_proj. fp32 only. A product runs on the row kernels up to MAX_ROWS rows, on the
+    tiles above (`tiled`: the module has them; the products' outputs then have `mpad` rows).
+    `add_rows(x, y, n)`: x += y over n floats."""
     v = "<16 x float>"
     step = "\n".join(f"  %{name}.s = inttoptr i64 %{name} to ptr" for name in _STEP_POINTERS)
     return f"""
@@ -1094,6 +1098,23 @@ loop:
   %more = icmp ult i64 %i.next, %n
   br i1 %more, label %loop, label %exit
 exit:
+  ret void
+}}
+
+define internal void @matmul(ptr %ctl, i64 %rowdesc, i64 %tiledesc, ptr %x, ptr %y, i64 %m, i64 %mpad,
+                             i64 %workers, ptr %tvals, ptr %tscales) {{
+entry:
+  %few = icmp ule i64 %m, {MAX_ROWS}
+  %notiles = icmp eq i64 %tiledesc, 0
+  %rows = or i1 %few, %notiles
+  br i1 %rows, label %rowk, label %tiled
+rowk:
+  %rd = inttoptr i64 %rowdesc to ptr
+  call void @product(ptr %ctl, ptr %rd, ptr %x, ptr %y, i64 %m, i64 %workers)
+  ret void
+tiled:
+{"  %td = inttoptr i64 %tiledesc to ptr" if tiled else ""}
+{"  call void @tiles(ptr %ctl, ptr %td, ptr %x, ptr %y, i64 %m, i64 %mpad, i64 %workers, ptr %tvals, ptr %tscales, i64 0)" if tiled else ""}
   ret void
 }}
 
@@ -1122,10 +1143,6 @@ layer:
   %lo = mul i64 %l, {len(LAYER_FIELDS)}
   %ld = getelementptr i64, ptr %layers.s, i64 %lo
 {_loads("ld", 0, LAYER_FIELDS)}
-  %qkvdesc.p2 = inttoptr i64 %qkvdesc to ptr
-  %odesc.p2 = inttoptr i64 %odesc to ptr
-  %gudesc.p2 = inttoptr i64 %gudesc to ptr
-  %downdesc.p2 = inttoptr i64 %downdesc to ptr
   %norm1.p2 = inttoptr i64 %norm1 to ptr
   %norm2.p2 = inttoptr i64 %norm2 to ptr
   %kv = inttoptr i64 %kvlayer to ptr
@@ -1138,20 +1155,24 @@ layer:
   call void @add_rows(ptr %residual.s, ptr %h.s, i64 %addn)
   call void @rms_norm(ptr %ctl, ptr %residual.s, ptr %norm1.p2, ptr %x.s, i64 %hidden, float %eps1, i64 %m,
                       i64 %workers, i64 0)
-  call void @product(ptr %ctl, ptr %qkvdesc.p2, ptr %x.s, ptr %qkv.s, i64 %m, i64 %workers)
+  call void @matmul(ptr %ctl, i64 %qkvdesc, i64 %qkvtiles, ptr %x.s, ptr %qkv.s, i64 %m, i64 %mpad, i64 %workers,
+                    ptr %tvals.s, ptr %tscales.s)
   call void @rotate(ptr %ctl, ptr %qkv.s, ptr %cos.s, ptr %sin.s, ptr %rot.s, i64 %d, i64 %rotrows, i64 %workers,
                     i64 0)
   call void @write_rows(ptr %kv, i64 %kvbytes, ptr %krot, i64 %rowbytes, ptr %slots.s, i64 %m, i64 %kvbytes)
   call void @attention(ptr %ctl, ptr %rot.s, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx.s, i64 %maxkv,
                        ptr %lens.s, ptr %att.s, i64 %items, i64 %heads, i64 %kvheads, float %scale, ptr %scratch.s,
                        i64 %sstride, i64 %workers, i64 %d, i64 1)
-  call void @product(ptr %ctl, ptr %odesc.p2, ptr %att.s, ptr %o.s, i64 %m, i64 %workers)
+  call void @matmul(ptr %ctl, i64 %odesc, i64 %otiles, ptr %att.s, ptr %o.s, i64 %m, i64 %mpad, i64 %workers,
+                    ptr %tvals.s, ptr %tscales.s)
   call void @add_rows(ptr %residual.s, ptr %o.s, i64 %mh)
   call void @rms_norm(ptr %ctl, ptr %residual.s, ptr %norm2.p2, ptr %x.s, i64 %hidden, float %eps2, i64 %m,
                       i64 %workers, i64 0)
-  call void @product(ptr %ctl, ptr %gudesc.p2, ptr %x.s, ptr %gu.s, i64 %m, i64 %workers)
+  call void @matmul(ptr %ctl, i64 %gudesc, i64 %gutiles, ptr %x.s, ptr %gu.s, i64 %m, i64 %mpad, i64 %workers,
+                    ptr %tvals.s, ptr %tscales.s)
   call void @swiglu(ptr %ctl, ptr %gu.s, ptr %act.s, i64 %inter, i64 %m, i64 %workers, i64 0)
-  call void @product(ptr %ctl, ptr %downdesc.p2, ptr %act.s, ptr %h.s, i64 %m, i64 %workers)
+  call void @matmul(ptr %ctl, i64 %downdesc, i64 %downtiles, ptr %act.s, ptr %h.s, i64 %m, i64 %mpad, i64 %workers,
+                    ptr %tvals.s, ptr %tscales.s)
   %l.next = add i64 %l, 1
   %more = icmp ult i64 %l.next, %count
   br i1 %more, label %layer, label %exit
@@ -1638,5 +1659,5 @@ def module_ir(isa: str = "avx512", omp: bool = False) -> str:
     tiles = ("".join(_tile(bits, act) for act in ACTS for bits in TILE_BYTES) + _tiles_part() + _prefill()
              if isa in TILE_ISAS else "")
     return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm() + _rotate() + _swiglu() + _write_rows()
-            + _decode_layers()
+            + _decode_layers(bool(tiles))
             + _run_on(omp and bool(tiles)) + _threads(bool(tiles)))

@@ -3,9 +3,10 @@
 At batch 1 the layer loop issues ~13 calls a layer from Python (norms, the four products, the
 rotation, the K/V write, the attention, SwiGLU, two adds): ~390 a step of the default model, each
 a few microseconds of ctypes, tensor allocation and dispatch on top of its work. Where every one
-of them would run on the native kernels anyway (fp32, the row kernels' products, native decode
+of them would run on the native kernels anyway (fp32, the native products, native decode
 attention), the same functions are called in the same order on the same buffers from one IR
-function, so the results are equal to the bit; the layer loop stays for everything else.
+function, so the results are equal to the bit; the layer loop stays for everything else. Steps
+of up to 4 rows use the row kernels; where every product has tiles, up to a busy stretch's 32.
 """
 
 from __future__ import annotations
@@ -55,17 +56,20 @@ class FusedDecode:
         assert self.pool.kv_layers is not None
         rows = []
         for layer, kv in zip(_layers(model), self.pool.kv_layers, strict=True):
-            products = [cast("NativeBlockLinear", m).product.descriptor_address for m in _linears(layer)]
+            products = [cast("NativeBlockLinear", m).product for m in _linears(layer)]
             w1, eps1, w2, eps2 = _norms(layer)
-            rows.append([*products, w1.data_ptr(), w2.data_ptr(), _bits(eps1), _bits(eps2), kv.data_ptr()])
+            tiles = [0 if p.tiles is None else p.tile_descriptor.data_ptr() for p in products]
+            rows.append([*(p.descriptor_address for p in products), w1.data_ptr(), w2.data_ptr(), _bits(eps1),
+                         _bits(eps2), kv.data_ptr(), *tiles])
         self.layers = torch.tensor(rows, dtype=torch.int64)
         self.buffers: dict[int, dict[str, torch.Tensor]] = {}
 
     @staticmethod
     def supported(model: LlamaModel) -> int:
         """Up to how many rows the model's layers could run as one call (0: never): fp32 on the
-        native kernels, no tensor parallelism, every layer's four products on the row kernels
-        without bias (up to their `kernel_rows`, at most MAX_ROWS), norms and sizes the native ops
+        native kernels, no tensor parallelism, every layer's four products on the native kernels
+        without bias (up to their `kernel_rows`; up to MAX_ROWS on the row kernels, to a busy
+        stretch's BUSY_ROWS where every product also has tiles), norms and sizes the native ops
         take."""
         a = model.shard
         layers = _layers(model)
@@ -79,7 +83,8 @@ class FusedDecode:
                 or not all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_contiguous()
                            for w in norms)):
             return 0
-        return min(native_ir.MAX_ROWS, *(m.kernel_rows for m in native_linears))
+        tiled = all(m.product.tiles is not None for m in native_linears)
+        return min(native_ir.BUSY_ROWS if tiled else native_ir.MAX_ROWS, *(m.kernel_rows for m in native_linears))
 
     @staticmethod
     def fits(h: torch.Tensor, backend: object, logit_rows: torch.Tensor | None, rows: int) -> bool:
@@ -90,13 +95,21 @@ class FusedDecode:
         return (0 < h.shape[0] <= rows and logit_rows is None and isinstance(backend, TorchAttention)
                 and backend.decode_only and backend.native)
 
+    @staticmethod
+    def padded(m: int) -> int:
+        """The rows a product's output has: m on the row kernels, a multiple of 8 on the tiles."""
+        return m if m <= native_ir.MAX_ROWS else -(-m // native_ir.TILE_M) * native_ir.TILE_M
+
     def _buffers(self, m: int) -> dict[str, torch.Tensor]:
+        """The step's buffers for m rows; the products' outputs (qkv, o, gu, h) with `padded(m)`."""
         if m not in self.buffers:
             all_heads = self.heads + 2 * self.kv_heads
             shapes = {"x": self.hidden, "qkv": all_heads * self.d, "rot": all_heads * self.d,
                       "att": self.heads * self.d, "o": self.hidden, "gu": 2 * self.inter, "act": self.inter,
                       "h": self.hidden}
-            self.buffers[m] = {name: torch.empty(m, width) for name, width in shapes.items()}
+            outputs = ("qkv", "o", "gu", "h")
+            self.buffers[m] = {name: torch.empty(self.padded(m) if name in outputs else m, width)
+                               for name, width in shapes.items()}
         return self.buffers[m]
 
     def run(self, h: torch.Tensor, rotary: RotaryBatch, backend: TorchAttention) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,18 +124,24 @@ class FusedDecode:
         idx, lens = backend.decode_kv_idx.contiguous(), backend.decode_lens.contiguous()
         longest = idx.numel() // m
         lib = native.library()
+        mpad = self.padded(m)
+        widest = max(self.hidden, self.inter, self.heads * self.d)  # the products' K
         with lib.lock:
             if not lib.threads_started:
                 lib.start()
             parts = lib.workers + 1
             if lib.scratch.numel() < parts * longest:
                 lib.scratch = torch.empty(parts * max(longest, 1024), dtype=torch.float32)
+            if lib.tile_values.numel() < mpad * widest:  # (the tiles' quantized activations, as `_tiled` grows them)
+                lib.tile_values = torch.empty(mpad * widest, dtype=torch.int8)
+                lib.tile_scales = torch.empty(mpad * widest // 16, dtype=torch.float32)
             fields = {"m": m, "residual": residual.data_ptr(), **{k: t.data_ptr() for k, t in buffers.items()},
                       "cos": cos.data_ptr(), "sin": sin.data_ptr(), "slots": slots.data_ptr(), "idx": idx.data_ptr(),
                       "maxkv": longest, "lens": lens.data_ptr(), "heads": self.heads, "kvheads": self.kv_heads,
                       "d": self.d, "hidden": self.hidden, "inter": self.inter, "scalebits": _bits(backend.scale),
                       "scratch": lib.scratch.data_ptr(), "sstride": lib.scratch.numel() // parts,
-                      "workers": lib.workers, "layers": self.layers.data_ptr(), "count": self.layers.shape[0]}
+                      "workers": lib.workers, "layers": self.layers.data_ptr(), "count": self.layers.shape[0],
+                      "mpad": mpad, "tvals": lib.tile_values.data_ptr(), "tscales": lib.tile_scales.data_ptr()}
             step = torch.tensor([fields[f] for f in native_ir.STEP_FIELDS], dtype=torch.int64)
             lib.decode_layers(lib.control_address, step.data_ptr())
-        return buffers["h"], residual
+        return buffers["h"][:m], residual

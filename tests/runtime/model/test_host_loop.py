@@ -80,17 +80,20 @@ def test_host_loop_rebinds_after_quantization(monkeypatch, attention_bias, dense
 
 
 @pytest.mark.skipif(not native.available(), reason="needs the native kernels")
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 7, 16])
 def test_fused_decode_equals_the_layer_loop(monkeypatch, rows):
-    """fp32 decode steps of few rows on the native kernels as one call (`FusedDecode`): the
-    layer loop's results to the bit, K/V rows written alike; steps it does not take (a prompt,
-    rows past MAX_ROWS) keep the loop."""
+    """fp32 decode steps on the native kernels as one call (`FusedDecode`; the row kernels up to
+    4 rows, the tiles above where the processor has them): the layer loop's results to the bit,
+    K/V rows written alike; a prompt keeps the loop."""
     monkeypatch.setattr(loader, "packs", lambda weight: False)
     arch = dataclasses.replace(ARCH, head_dim=64, attention_bias=False, num_heads=2, num_kv_heads=1)
     model = build_model(arch, None, torch.float32, "cpu", max_positions=256, seed=1)
     quantize_linears(model, QuantChoice("q4", None, "test"), torch.float32, None)
-    assert FusedDecode.supported(model) == 4
-    pool = KVPool(model.shard, 128, torch.float32, "cpu")
+    fused_rows = FusedDecode.supported(model)
+    assert fused_rows == (32 if native.tiles_available() else 4)
+    if rows > fused_rows:
+        pytest.skip("decode steps of more than 4 rows run as one call with the tiled products (AVX-512 VNNI)")
+    pool = KVPool(model.shard, 1024, torch.float32, "cpu")
     att = TorchAttention(pool, arch.num_heads, arch.head_dim)
     table = torch.arange(1, 1 + rows * 32).view(rows, 32)
     gen = torch.Generator().manual_seed(rows)
