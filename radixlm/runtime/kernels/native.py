@@ -145,6 +145,21 @@ class _Library:
         self.threads, self.threads_started, self.busy_depth = [], False, 0
         self.lock = threading.Lock()
 
+    def attention_scratch(self, longest: int) -> int:
+        """The decode attention's score rows, one a part, for sequences of up to `longest` keys
+        (grown as needed; under the lock): the stride between the rows."""
+        parts = self.workers + 1
+        if self.scratch.numel() < parts * longest:
+            self.scratch = torch.empty(parts * max(longest, 1024), dtype=torch.float32)
+        return self.scratch.numel() // parts
+
+    def tile_scratch(self, values: int) -> None:
+        """Room for `values` quantized activations of the tiled products, and their scales (one
+        fp32 per 16 values; grown as needed, under the lock)."""
+        if self.tile_values.numel() < values:
+            self.tile_values = torch.empty(values, dtype=torch.int8)
+            self.tile_scales = torch.empty(values // 16, dtype=torch.float32)
+
     def stop(self) -> None:
         if not self.threads:
             return
@@ -196,7 +211,7 @@ def library(isa_name: str | None = None) -> _Library:
 
 
 @contextlib.contextmanager
-def _running(lib: _Library) -> Iterator[int]:
+def running(lib: _Library) -> Iterator[int]:
     """`lib` locked with its workers started, for one job; yields the OpenMP threads to run it on
     (torch's pool outside a busy stretch, whose threads spin between torch's ops), or 0: our
     workers (in a busy stretch they spin for it, and torch runs on one thread)."""
@@ -334,10 +349,8 @@ class BlockProduct:
         padded = -(-rows // native_ir.TILE_M) * native_ir.TILE_M
         y = torch.empty((padded, self.n), dtype=self.dtype)
         lib = self.lib
-        with _running(lib) as omp:
-            if lib.tile_values.numel() < padded * self.k:
-                lib.tile_values = torch.empty(padded * self.k, dtype=torch.int8)
-                lib.tile_scales = torch.empty(padded * self.k // GROUP * 2, dtype=torch.float32)
+        with running(lib) as omp:
+            lib.tile_scratch(padded * self.k)
             assert lib.tiles is not None
             lib.tiles(lib.control_address, self.tile_descriptor.data_ptr(), x.data_ptr(), y.data_ptr(), rows,
                       padded, lib.workers, lib.tile_values.data_ptr(), lib.tile_scales.data_ptr(), omp)
@@ -376,16 +389,11 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, len
     longest = slots.numel() // max(1, b)
     out = torch.empty((b, heads * d), dtype=q.dtype)
     lib = library()
-    with lib.lock:
-        if not lib.threads_started:
-            lib.start()
-        parts = lib.workers + 1
-        if lib.scratch.numel() < parts * longest:
-            lib.scratch = torch.empty(parts * max(longest, 1024), dtype=torch.float32)
+    with running(lib):
+        stride = lib.attention_scratch(longest)
         lib.attention(lib.control_address, q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(),
                       longest, lengths.data_ptr(), out.data_ptr(), b * heads, heads, kv_heads, scale,
-                      lib.scratch.data_ptr(), lib.scratch.numel() // parts, lib.workers, d,
-                      int(q.dtype == torch.float32))
+                      lib.scratch.data_ptr(), stride, lib.workers, d, int(q.dtype == torch.float32))
     return out
 
 
@@ -400,7 +408,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                          f"[K] weight; got {tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
     y = torch.empty_like(x)
     lib = library()
-    with _running(lib) as omp:
+    with running(lib) as omp:
         lib.norm(lib.control_address, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[1], eps, x.shape[0],
                  lib.workers, omp)
     return y
@@ -439,7 +447,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     values[:, :total] = v.permute(1, 0, 2)
     lib = library()
     assert lib.prefill is not None, "prompt attention runs with the AVX-512 VNNI kernels"
-    with _running(lib) as omp:
+    with running(lib) as omp:
         # each part's scores: PREFILL_ROWS rows of the keys
         scratch = torch.empty(max(omp, lib.workers + 1) * native_ir.PREFILL_ROWS * padded, dtype=torch.float32)
         lib.prefill(lib.control_address, q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
@@ -459,7 +467,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
                          f"{tuple(x.shape)} {x.dtype}, {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
     y = torch.empty_like(x)
     lib = library()
-    with _running(lib) as omp:
+    with running(lib) as omp:
         lib.rotate(lib.control_address, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), d, x.numel() // d,
                    lib.workers, omp)
     return y
@@ -475,7 +483,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = gate_up.new_empty((rows, inter))
     lib = library()
-    with _running(lib) as omp:
+    with running(lib) as omp:
         lib.swiglu(lib.control_address, gate_up.data_ptr(), y.data_ptr(), inter, rows, lib.workers, omp)
     return y
 

@@ -12,17 +12,18 @@ of up to 4 rows use the row kernels; where every product has tiles, up to a busy
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.quant import NativeBlockLinear
+from radixlm.runtime.model.arch import ModelArch
 
 if TYPE_CHECKING:
     from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
-    from radixlm.runtime.model.llama import DecoderLayer, LlamaModel
     from radixlm.runtime.model.rope import RotaryBatch
 
 
@@ -30,58 +31,50 @@ def _bits(value: float) -> int:
     return int(struct.unpack("<I", struct.pack("<f", value))[0])
 
 
-def _layers(model: LlamaModel) -> list[DecoderLayer]:
-    return cast("list[DecoderLayer]", list(model.layers))
+@dataclass(frozen=True)
+class LayerParts:
+    """What `decode_layers` takes of a decoder layer: its four products (q/k/v, o, gate/up, down)
+    and its two norms' weights and eps."""
 
-
-def _linears(layer: DecoderLayer) -> tuple[nn.Module, ...]:
-    """The layer's four products, in the order `decode_layers` takes their descriptors."""
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
-
-
-def _norms(layer: DecoderLayer) -> tuple[torch.Tensor, float, torch.Tensor, float]:
-    first, second = layer.input_layernorm, layer.post_attention_layernorm
-    return first.weight, first.eps, second.weight, second.eps
+    linears: tuple[nn.Module, nn.Module, nn.Module, nn.Module]
+    norm1: torch.Tensor
+    eps1: float
+    norm2: torch.Tensor
+    eps2: float
 
 
 class FusedDecode:
     """The model's layers bound for `decode_layers`: their descriptors, and per step shape the
     buffers the ops write (reused from step to step)."""
 
-    def __init__(self, model: LlamaModel, backend: TorchAttention) -> None:
-        a = model.shard
-        self.heads, self.kv_heads, self.d = a.num_heads, a.num_kv_heads, a.head_dim
-        self.hidden, self.inter = a.hidden_size, a.intermediate_size
+    def __init__(self, shape: ModelArch, layers: list[LayerParts], backend: TorchAttention) -> None:
+        self.heads, self.kv_heads, self.d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.hidden, self.inter = shape.hidden_size, shape.intermediate_size
         self.pool = backend.pool
         assert self.pool.kv_layers is not None
         rows = []
-        for layer, kv in zip(_layers(model), self.pool.kv_layers, strict=True):
-            products = [cast("NativeBlockLinear", m).product for m in _linears(layer)]
-            w1, eps1, w2, eps2 = _norms(layer)
+        for parts, kv in zip(layers, self.pool.kv_layers, strict=True):
+            products = [m.product for m in parts.linears if isinstance(m, NativeBlockLinear)]
             tiles = [0 if p.tiles is None else p.tile_descriptor.data_ptr() for p in products]
-            rows.append([*(p.descriptor_address for p in products), w1.data_ptr(), w2.data_ptr(), _bits(eps1),
-                         _bits(eps2), kv.data_ptr(), *tiles])
+            rows.append([*(p.descriptor_address for p in products), parts.norm1.data_ptr(), parts.norm2.data_ptr(),
+                         _bits(parts.eps1), _bits(parts.eps2), kv.data_ptr(), *tiles])
         self.layers = torch.tensor(rows, dtype=torch.int64)
         self.buffers: dict[int, dict[str, torch.Tensor]] = {}
 
     @staticmethod
-    def supported(model: LlamaModel) -> int:
-        """Up to how many rows the model's layers could run as one call (0: never): fp32 on the
-        native kernels, no tensor parallelism, every layer's four products on the native kernels
-        without bias (up to their `kernel_rows`; up to MAX_ROWS on the row kernels, to a busy
-        stretch's BUSY_ROWS where every product also has tiles), norms and sizes the native ops
-        take."""
-        a = model.shard
-        layers = _layers(model)
-        linears = [m for layer in layers for m in _linears(layer)]
-        norms = [w for layer in layers for w in _norms(layer)[::2]]
+    def supported(shape: ModelArch, layers: list[LayerParts], parallel: bool) -> int:
+        """Up to how many rows the layers could run as one call (0: never): fp32 on the native
+        kernels, no tensor parallelism, every layer's four products on the native kernels without
+        bias (up to their `kernel_rows`; up to MAX_ROWS on the row kernels, to a busy stretch's
+        BUSY_ROWS where every product also has tiles), norms and sizes the native ops take."""
+        linears = [m for parts in layers for m in parts.linears]
         native_linears = [m for m in linears if isinstance(m, NativeBlockLinear) and m.bias is None
                           and m.product.dtype == torch.float32]
-        if (model.tp is not None or not native.available() or a.head_dim not in native_ir.HEAD_DIMS
-                or a.hidden_size % 16 or a.intermediate_size % 16 or not linears
+        norms = [w for parts in layers for w in (parts.norm1, parts.norm2)]
+        if (parallel or not native.available() or shape.head_dim not in native_ir.HEAD_DIMS
+                or shape.hidden_size % 16 or shape.intermediate_size % 16 or not linears
                 or len(native_linears) != len(linears)
-                or not all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_contiguous()
-                           for w in norms)):
+                or not all(w.dtype == torch.float32 and w.is_contiguous() for w in norms)):
             return 0
         tiled = all(m.product.tiles is not None for m in native_linears)
         return min(native_ir.BUSY_ROWS if tiled else native_ir.MAX_ROWS, *(m.kernel_rows for m in native_linears))
@@ -123,25 +116,18 @@ class FusedDecode:
         slots = backend.meta.out_slots.contiguous()
         idx, lens = backend.decode_kv_idx.contiguous(), backend.decode_lens.contiguous()
         longest = idx.numel() // m
-        lib = native.library()
         mpad = self.padded(m)
-        widest = max(self.hidden, self.inter, self.heads * self.d)  # the products' K
-        with lib.lock:
-            if not lib.threads_started:
-                lib.start()
-            parts = lib.workers + 1
-            if lib.scratch.numel() < parts * longest:
-                lib.scratch = torch.empty(parts * max(longest, 1024), dtype=torch.float32)
-            if lib.tile_values.numel() < mpad * widest:  # (the tiles' quantized activations, as `_tiled` grows them)
-                lib.tile_values = torch.empty(mpad * widest, dtype=torch.int8)
-                lib.tile_scales = torch.empty(mpad * widest // 16, dtype=torch.float32)
+        lib = native.library()
+        with native.running(lib):
+            stride = lib.attention_scratch(longest)
+            lib.tile_scratch(mpad * max(self.hidden, self.inter, self.heads * self.d))  # (the products' widest K)
             fields = {"m": m, "residual": residual.data_ptr(), **{k: t.data_ptr() for k, t in buffers.items()},
                       "cos": cos.data_ptr(), "sin": sin.data_ptr(), "slots": slots.data_ptr(), "idx": idx.data_ptr(),
                       "maxkv": longest, "lens": lens.data_ptr(), "heads": self.heads, "kvheads": self.kv_heads,
                       "d": self.d, "hidden": self.hidden, "inter": self.inter, "scalebits": _bits(backend.scale),
-                      "scratch": lib.scratch.data_ptr(), "sstride": lib.scratch.numel() // parts,
-                      "workers": lib.workers, "layers": self.layers.data_ptr(), "count": self.layers.shape[0],
-                      "mpad": mpad, "tvals": lib.tile_values.data_ptr(), "tscales": lib.tile_scales.data_ptr()}
+                      "scratch": lib.scratch.data_ptr(), "sstride": stride, "workers": lib.workers,
+                      "layers": self.layers.data_ptr(), "count": self.layers.shape[0], "mpad": mpad,
+                      "tvals": lib.tile_values.data_ptr(), "tscales": lib.tile_scales.data_ptr()}
             step = torch.tensor([fields[f] for f in native_ir.STEP_FIELDS], dtype=torch.int64)
             lib.decode_layers(lib.control_address, step.data_ptr())
         return buffers["h"][:m], residual

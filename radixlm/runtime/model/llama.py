@@ -30,7 +30,7 @@ from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
 from radixlm.runtime.kernels.packed import DenseLinear
 from radixlm.runtime.kernels.quant import NativeBlockLinear, WeightOnlyLinear
 from radixlm.runtime.model.arch import ModelArch
-from radixlm.runtime.model.fused_decode import FusedDecode
+from radixlm.runtime.model.fused_decode import FusedDecode, LayerParts
 from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
 
 PAIRED_NORM = (torch.bfloat16, torch.float32)  # dtypes whose CPU RMSNorm runs as LayerNorm over [x, -x]
@@ -367,13 +367,21 @@ class LlamaModel(nn.Module):
                       logit_rows: torch.Tensor | None) -> FusedDecode | None:
         """The layers bound for one native call (`fused_decode`), where this step can run so."""
         if self._fused_rows is None:
-            self._fused_rows = FusedDecode.supported(self)
+            self._fused_rows = FusedDecode.supported(self.shard, self._layer_parts(), self.tp is not None)
         if not self._fused_rows or not FusedDecode.fits(h, backend, logit_rows, self._fused_rows):
             return None
         attention = cast("TorchAttention", backend)
         if self._fused is None or self._fused.pool is not attention.pool:
-            self._fused = FusedDecode(self, attention)
+            self._fused = FusedDecode(self.shard, self._layer_parts(), attention)
         return self._fused
+
+    def _layer_parts(self) -> list[LayerParts]:
+        parts = []
+        for layer in cast("list[DecoderLayer]", self.layers):
+            attn, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            parts.append(LayerParts((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), ln1.weight,
+                                    ln1.eps, ln2.weight, ln2.eps))
+        return parts
 
     def _native_busy(self, rows: int) -> contextlib.AbstractContextManager[None]:
         """A CPU step whose products run on the native kernels' threads (radixlm.runtime.kernels.

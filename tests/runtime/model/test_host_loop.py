@@ -89,7 +89,7 @@ def test_fused_decode_equals_the_layer_loop(monkeypatch, rows):
     arch = dataclasses.replace(ARCH, head_dim=64, attention_bias=False, num_heads=2, num_kv_heads=1)
     model = build_model(arch, None, torch.float32, "cpu", max_positions=256, seed=1)
     quantize_linears(model, QuantChoice("q4", None, "test"), torch.float32, None)
-    fused_rows = FusedDecode.supported(model)
+    fused_rows = FusedDecode.supported(model.shard, model._layer_parts(), False)
     assert fused_rows == (32 if native.tiles_available() else 4)
     if rows > fused_rows:
         pytest.skip("decode steps of more than 4 rows run as one call with the tiled products (AVX-512 VNNI)")
