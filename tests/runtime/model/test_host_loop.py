@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from radixlm.runtime.kernels import native
+from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
 from radixlm.runtime.kernels.kv_pool import KVPool
@@ -80,17 +80,19 @@ def test_host_loop_rebinds_after_quantization(monkeypatch, attention_bias, dense
 
 
 @pytest.mark.skipif(not native.available(), reason="needs the native kernels")
+@pytest.mark.parametrize("isa", native.supported_isas())
 @pytest.mark.parametrize("rows", [1, 3, 7, 16])
-def test_fused_decode_equals_the_layer_loop(monkeypatch, rows):
+def test_fused_decode_equals_the_layer_loop(monkeypatch, rows, isa):
     """fp32 decode steps on the native kernels as one call (`FusedDecode`; the row kernels up to
-    4 rows, the tiles above where the processor has them): the layer loop's results to the bit,
-    K/V rows written alike; a prompt keeps the loop."""
+    4 rows, the tiles above where the instruction set has them): the layer loop's results to the
+    bit, K/V rows written alike; a prompt keeps the loop."""
+    monkeypatch.setattr(native, "isa", lambda: isa)  # (every kernel made below: this instruction set's)
     monkeypatch.setattr(loader, "packs", lambda weight: False)
     arch = dataclasses.replace(ARCH, head_dim=64, attention_bias=False, num_heads=2, num_kv_heads=1)
     model = build_model(arch, None, torch.float32, "cpu", max_positions=256, seed=1)
     quantize_linears(model, QuantChoice("q4", None, "test"), torch.float32, None)
     fused_rows = FusedDecode.supported(model.shard, model._layer_parts(), False)
-    assert fused_rows == (32 if native.tiles_available() else 4)
+    assert fused_rows == (32 if isa in native_ir.TILE_ISAS else 4)
     if rows > fused_rows:
         pytest.skip("decode steps of more than 4 rows run as one call with the tiled products (AVX-512 VNNI)")
     pool = KVPool(model.shard, 1024, torch.float32, "cpu")
