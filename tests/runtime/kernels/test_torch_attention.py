@@ -13,7 +13,12 @@ import torch
 
 from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.attention.base import AttentionMeta
-from radixlm.runtime.kernels.attention.torch_backend import TorchAttention, blocked_extend, blocked_prompts
+from radixlm.runtime.kernels.attention.torch_backend import (
+    NATIVE_MIN_QUERIES,
+    TorchAttention,
+    blocked_extend,
+    blocked_prompts,
+)
 from radixlm.runtime.kernels.kv_pool import KVPool
 from radixlm.runtime.model.arch import ModelArch
 
@@ -99,8 +104,8 @@ def test_torch_attention_matches_per_head_reference(plan, dtype):
 
 @pytest.mark.skipif(not native.prefill_available(), reason="the native prompt attention needs AVX-512 VNNI")
 @pytest.mark.parametrize("plan", [
-    [(0, 40)],  # a prompt alone
-    [(3, 1), (0, 33), (100, 150), (0, 5)],  # decodes, prompts (one over a cached prefix), a short extend
+    [(0, 260)],  # a prompt alone
+    [(3, 1), (0, 300), (40, 256), (0, 40)],  # decodes, prompts (one over a cached prefix), a short extend
 ])
 def test_fp32_prompts_on_the_native_attention_match_the_reference(plan):
     d = 64
@@ -113,7 +118,8 @@ def test_fp32_prompts_on_the_native_attention_match_the_reference(plan):
     q = torch.randn(total, HEADS + 2 * KV_HEADS, d, generator=gen)[:, :HEADS]  # tokens strided, as from qkv
     k, v = (torch.randn(total, KV_HEADS, d, generator=gen) for _ in range(2))
     att.prepare(AttentionMeta(torch.cat(new_slots), table, list(range(len(plan))), q_starts, q_lens, kv_lens))
-    assert [way for *_, way in att.extends] == ["native" if new >= 32 else "flash" for _, new in plan if new > 1]
+    assert [way for *_, way in att.extends] == ["native" if new >= NATIVE_MIN_QUERIES else "flash"
+                                                for _, new in plan if new > 1]
     out = att.forward(0, q, k, v).view(total, HEADS, d)
     for (cached, new), start, (k_old, v_old) in zip(plan, q_starts, history):
         part = slice(start, start + new)

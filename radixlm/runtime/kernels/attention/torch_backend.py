@@ -19,7 +19,7 @@ threads), so it stays, as it does without native bf16 (not measured), in fp32 (w
 are slower) and for short extends (`BLOCKED_MIN_QUERIES`, `BLOCKED_MIN_PAIRS`), a jump-forward's
 few tokens say, where the blocks' fixed ~0.2 ms a layer costs more than the flash kernel's call.
 
-fp32 extends of 32 queries and more, where the native kernels are compiled for AVX-512 VNNI, run
+fp32 extends of 256 queries and more, where the native kernels are compiled for AVX-512 VNNI, run
 on their causal prompt attention (`native.prefill_attention`: scores, weights and values in three
 passes of independent FMA chains, the keys transposed once per call).
 """
@@ -35,9 +35,11 @@ from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.kv_pool import KVPool
 
-# fp32 extends of at least this many queries run on the native prompt attention (`native.prefill_attention`);
-# a jump-forward's few tokens keep the flash kernel, which needs no transposed copy of the keys
-NATIVE_MIN_QUERIES = 32
+# fp32 extends of at least this many queries run on the native prompt attention (`native.prefill_attention`):
+# below, the flash kernel, which needs no copy of the keys, was faster (2-core Ice Lake, 9 heads over 3, causal:
+# 32 queries over 1,000 keys 0.61 against 1.10 ms, 128 over 128 0.28 / 0.32; 256 over 256 1.11 / 0.75, 512 over
+# 512 4.1 / 2.6, 1,024 over 1,024 12.2 / 10.2; 256 over 2,000 9.6 / 9.4)
+NATIVE_MIN_QUERIES = 256
 EXTEND_BLOCK = 128  # queries per block of `blocked_extend`: 64 and 256 measured slower at 0.5k-4k tokens
 # below these an extend keeps the flash kernel (measured: 16 queries over 2k keys 1.12 vs 1.17 ms,
 # 32 over 532 0.51 vs 0.54, 64 over 164 0.39 vs 0.47; 32 over 2k 1.93 vs 1.32, 64 over 564 1.17 vs 0.75)
