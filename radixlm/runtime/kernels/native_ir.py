@@ -96,7 +96,6 @@ declare float @llvm.maxnum.f32(float, float)
 declare float @llvm.floor.f32(float)
 declare float @llvm.sqrt.f32(float)
 declare <16 x float> @llvm.maxnum.v16f32(<16 x float>, <16 x float>)
-declare <16 x float> @llvm.floor.v16f32(<16 x float>)
 declare <16 x float> @llvm.rint.v16f32(<16 x float>)
 declare <16 x float> @llvm.fabs.v16f32(<16 x float>)
 declare i64 @syscall(i64, ...)
@@ -644,15 +643,7 @@ def _norm() -> str:
     for fp32 rows of k (a multiple of 16) values, as HF's RMSNorm orders it; rows split between
     threads (`run_on`), or on the caller alone below NORM_ALONE rows."""
     vector = "<16 x float>"
-    return f"""
-define internal void @rms_norm_rows(ptr %x, ptr %w, ptr %y, i64 %k, float %eps, i64 %r0, i64 %r1) {{
-entry:
-  %none = icmp uge i64 %r0, %r1
-  %kf = uitofp i64 %k to float
-  br i1 %none, label %exit, label %row
-row:
-  %r = phi i64 [%r0, %entry], [%r.next, %scaled]
-  %ro = mul i64 %r, %k
+    row = f"""  %ro = mul i64 %r, %k
   %xr = getelementptr float, ptr %x, i64 %ro
   %yr = getelementptr float, ptr %y, i64 %ro
   br label %square
@@ -685,16 +676,9 @@ scale:
   store {vector} %yv, ptr %yq, align 4
   %i.next = add i64 %i, 16
   %imore = icmp ult i64 %i.next, %k
-  br i1 %imore, label %scale, label %scaled
-scaled:
-  %r.next = add i64 %r, 1
-  %rmore = icmp ult i64 %r.next, %r1
-  br i1 %rmore, label %row, label %exit
-exit:
-  ret void
-}}
-""" + _row_job("rms_norm", NORM, (("x", "ptr"), ("w", "ptr"), ("y", "ptr"), ("k", "i64"), ("eps", "float")),
-               NORM_ALONE)
+  br i1 %imore, label %scale, label %rowdone"""
+    return _row_job("rms_norm", NORM, (("x", "ptr"), ("w", "ptr"), ("y", "ptr"), ("k", "i64"), ("eps", "float")),
+                    NORM_ALONE, "  %kf = uitofp i64 %k to float", row)
 
 
 PREFILL_ROWS = 8  # query rows (positions of one head) a native prompt-attention item takes
@@ -703,11 +687,12 @@ PREFILL_FIELDS = ("op", "pqi", "qstride", "kti", "parts", "pvi", "pouti", "phead
 
 
 def _exp2v(src: str, dst: str) -> list[str]:
-    """%dst: 2^%src for <16 x float> %src <= 0 (as `exp2_neg`, lane by lane)."""
+    """%dst: 2^%src for <16 x float> %src <= 0, lane by lane: 2^n 2^f with n = rint, |f| <= 1/2, 2^f
+    a degree-7 polynomial (relative error ~1e-8); below -126 the result flushes toward 0."""
     v = "<16 x float>"
     coefficients = [math.log(2) ** k / math.factorial(k) for k in range(8)]
     out = [f"  %{dst}.x = call {v} @llvm.maxnum.v16f32({v} {src}, {v} {_splat('float', 16, _f32(-126.0))})",
-           f"  %{dst}.n = call {v} @llvm.floor.v16f32({v} %{dst}.x)",
+           f"  %{dst}.n = call {v} @llvm.rint.v16f32({v} %{dst}.x)",
            f"  %{dst}.f = fsub {v} %{dst}.x, %{dst}.n",
            f"  %{dst}.p7 = fadd {v} zeroinitializer, {_splat('float', 16, _f32(coefficients[7]))}"]
     for k in range(6, -1, -1):
@@ -950,24 +935,10 @@ exit:
 
 def _swiglu() -> str:
     """swiglu(ctl, gu, y, inter, rows, workers, threads): y = silu(g) * u for fp32 rows [g | u] of
-    2 * inter values (inter a multiple of 16), silu(g) = g / (1 + e^-g) with e^-|g| as 2^n 2^f,
-    n = rint, |f| <= 1/2, 2^f a degree-7 polynomial (relative error ~1e-8)."""
+    2 * inter values (inter a multiple of 16), silu(g) = g / (1 + e^-g) with e^-|g| from `_exp2v`."""
     v = "<16 x float>"
-    coefficients = [math.log(2) ** k / math.factorial(k) for k in range(8)]
-    poly = [f"  %p7 = fadd {v} zeroinitializer, {_splat('float', 16, _f32(coefficients[7]))}"]
-    for k in range(6, -1, -1):
-        poly.append(f"  %p{k} = call {v} @llvm.fma.v16f32({v} %p{k + 1}, {v} %f, "
-                    f"{v} {_splat('float', 16, _f32(coefficients[k]))})")
     one = _splat("float", 16, "1.0")
-    return f"""
-define internal void @swiglu_rows(ptr %gu, ptr %y, i64 %inter, i64 %r0, i64 %r1) {{
-entry:
-  %none = icmp uge i64 %r0, %r1
-  %width = shl i64 %inter, 1
-  br i1 %none, label %exit, label %row
-row:
-  %r = phi i64 [%r0, %entry], [%r.next, %rowdone]
-  %go = mul i64 %r, %width
+    row = f"""  %go = mul i64 %r, %width
   %gr = getelementptr float, ptr %gu, i64 %go
   %ur = getelementptr float, ptr %gr, i64 %inter
   %yo = mul i64 %r, %inter
@@ -981,15 +952,7 @@ col:
   %u = load {v}, ptr %up, align 4
   %a = call {v} @llvm.fabs.v16f32({v} %g)
   %xl = fmul {v} %a, {_splat('float', 16, _f32(-1 / math.log(2)))}
-  %x = call {v} @llvm.maxnum.v16f32({v} %xl, {v} {_splat('float', 16, _f32(-126.0))})
-  %n = call {v} @llvm.rint.v16f32({v} %x)
-  %f = fsub {v} %x, %n
-{chr(10).join(poly)}
-  %ni = fptosi {v} %n to <16 x i32>
-  %e = add <16 x i32> %ni, {_splat('i32', 16, 127)}
-  %eb = shl <16 x i32> %e, {_splat('i32', 16, 23)}
-  %two = bitcast <16 x i32> %eb to {v}
-  %t = fmul {v} %p0, %two
+{chr(10).join(_exp2v("%xl", "t"))}
   %den = fadd {v} %t, {one}
   %neg = fcmp olt {v} %g, zeroinitializer
   %num = select <16 x i1> %neg, {v} %t, {v} {one}
@@ -1000,15 +963,9 @@ col:
   store {v} %out, ptr %yp, align 4
   %i.next = add i64 %i, 16
   %more = icmp ult i64 %i.next, %inter
-  br i1 %more, label %col, label %rowdone
-rowdone:
-  %r.next = add i64 %r, 1
-  %rmore = icmp ult i64 %r.next, %r1
-  br i1 %rmore, label %row, label %exit
-exit:
-  ret void
-}}
-""" + _row_job("swiglu", SWIGLU, (("gu", "ptr"), ("y", "ptr"), ("inter", "i64")), SWIGLU_ALONE)
+  br i1 %more, label %col, label %rowdone"""
+    return _row_job("swiglu", SWIGLU, (("gu", "ptr"), ("y", "ptr"), ("inter", "i64")), SWIGLU_ALONE,
+                    "  %width = shl i64 %inter, 1", row)
 
 
 def _rotate() -> str:
@@ -1016,14 +973,7 @@ def _rotate() -> str:
     for fp32 rows of dim 64 or 128 (the rotary embedding over a token's heads, `RotaryBatch.rotate`),
     each product rounded, then the sum: the same values as those three torch ops."""
     v = "<16 x float>"
-    out = ["define internal void @rotate_rows(ptr %x, ptr %c, ptr %s, ptr %y, i64 %dim, i64 %r0, i64 %r1) {",
-           "entry:",
-           "  %none = icmp uge i64 %r0, %r1",
-           "  %wide = icmp eq i64 %dim, 128",
-           "  br i1 %none, label %exit, label %row",
-           "row:",
-           "  %r = phi i64 [%r0, %entry], [%r.next, %done]",
-           "  %ro = mul i64 %r, %dim",
+    out = ["  %ro = mul i64 %r, %dim",
            "  %xr = getelementptr float, ptr %x, i64 %ro",
            "  %cr = getelementptr float, ptr %c, i64 %ro",
            "  %sr = getelementptr float, ptr %s, i64 %ro",
@@ -1045,17 +995,9 @@ def _rotate() -> str:
                     f"  %o{dim}_{i} = fadd {v} %a{dim}_{i}, %b{dim}_{i}",
                     f"  %y{dim}_{i}.p = getelementptr float, ptr %yr, i64 {16 * i}",
                     f"  store {v} %o{dim}_{i}, ptr %y{dim}_{i}.p, align 4"]
-        out.append("  br label %done")
-    out += ["done:",
-            "  %r.next = add i64 %r, 1",
-            "  %more = icmp ult i64 %r.next, %r1",
-            "  br i1 %more, label %row, label %exit",
-            "exit:",
-            "  ret void",
-            "}",
-            ""]
-    return "\n".join(out) + "\n" + _row_job("rotate", ROTATE, (("x", "ptr"), ("c", "ptr"), ("s", "ptr"), ("y", "ptr"),
-                                                              ("dim", "i64")), ROTATE_ALONE)
+        out.append("  br label %rowdone")
+    return _row_job("rotate", ROTATE, (("x", "ptr"), ("c", "ptr"), ("s", "ptr"), ("y", "ptr"), ("dim", "i64")),
+                    ROTATE_ALONE, "  %wide = icmp eq i64 %dim, 128", "\n".join(out))
 
 
 # a CPU decode step of the whole model's layers in one call (`decode_layers`): the step's buffers and
@@ -1182,10 +1124,12 @@ exit:
 """
 
 
-def _row_job(name: str, op: int, params: tuple[tuple[str, str], ...], alone: int) -> str:
-    """{name}(ctl, <params>, rows, workers, threads) and {name}_part(ctl, index): @{name}_rows(<params>,
-    r0, r1) over `rows` rows, split between the parts (`run_on`), or on the caller alone below
-    `alone` rows. A param is (its name, ptr / i64 / float); the job holds each as an i64."""
+def _row_job(name: str, op: int, params: tuple[tuple[str, str], ...], alone: int, setup: str, row: str) -> str:
+    """@{name}_rows(<params>, r0, r1): `row`'s IR for each row %r of r0..r1 (from label `row`, it
+    ends by branching to %rowdone; `setup` runs once before); {name}(ctl, <params>, rows, workers,
+    threads) and {name}_part(ctl, index): those rows split between the parts (`run_on`), or on the
+    caller alone below `alone` rows. A param is (its name, ptr / i64 / float); the job holds each
+    as an i64."""
     fields = ("op", *(f"f_{p}" for p, _ in params), "parts", "rows")
     unpack = {"ptr": "  %{p} = inttoptr i64 %f_{p} to ptr",
               "i64": "  %{p} = add i64 %f_{p}, 0",
@@ -1195,6 +1139,22 @@ def _row_job(name: str, op: int, params: tuple[tuple[str, str], ...], alone: int
             "float": "  %{p}.t = bitcast float %{p} to i32\n  %f_{p} = zext i32 %{p}.t to i64"}
     signature = ", ".join(f"{kind} %{p}" for p, kind in params)
     return f"""
+define internal void @{name}_rows({signature}, i64 %r0, i64 %r1) {{
+entry:
+  %none = icmp uge i64 %r0, %r1
+{setup}
+  br i1 %none, label %exit, label %row
+row:
+  %r = phi i64 [%r0, %entry], [%r.next, %rowdone]
+{row}
+rowdone:
+  %r.next = add i64 %r, 1
+  %rmore = icmp ult i64 %r.next, %r1
+  br i1 %rmore, label %row, label %exit
+exit:
+  ret void
+}}
+
 define void @{name}_part(ptr %ctl, i64 %index) {{
 entry:
 {_loads("ctl", JOB, fields)}
