@@ -128,14 +128,16 @@ def flush(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b"{}", method="POST"), timeout=30)
 
 
-STEP_STATS = ("steps", "prompt_steps", "rows_fed")
+STEP_STATS = ("steps", "prompt_steps", "rows_fed", "tokens_fed")
 
 
-def step_stats(url: str) -> dict[str, int]:
-    """The engine's step counters (/get_server_info): steps, steps that fed a prompt, rows fed."""
+def step_stats(url: str) -> dict[str, float]:
+    """The engine's step counters (/get_server_info): steps, steps that fed a prompt, rows fed;
+    and the step loop's seconds by phase, as "s <phase>"."""
     with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
         stats = json.load(r)["stats"]
-    return {k: int(stats[k]) for k in STEP_STATS}
+    return {**{k: int(stats[k]) for k in STEP_STATS},
+            **{f"s {k}": float(v) for k, v in stats.get("step_phase_seconds", {}).items()}}
 
 
 def measure(func: Any, n: int, backend: Any, repeats: int) -> float:
@@ -245,7 +247,7 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
                 flush(url)
             before = [step_stats(url) for url in urls]
             results = asyncio.run(side_by_side(urls, graphs, sends, args.concurrency))
-            counts = [{k: after[k] - was[k] for k in STEP_STATS}
+            counts = [{k: after[k] - was[k] for k in after}
                       for was, after in zip(before, (step_stats(url) for url in urls))]
         finally:
             for proc, _ in servers.values():
@@ -270,9 +272,14 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
                   f"mean {row['mean']:7.2f} s  wall {wall:7.2f} s  p99 by workload "
                   + ", ".join(f"{row[f'p99 {name}']:.2f}" for name in WORKLOADS) + steady
                   + f"  steps {steps['steps']} ({steps['prompt_steps']} with a prompt, "
-                  f"{steps['rows_fed'] / max(steps['steps'], 1):.1f} rows a step)", flush=True)
+                  f"{steps['rows_fed'] / max(steps['steps'], 1):.1f} rows, "
+                  f"{steps['tokens_fed'] / max(steps['steps'], 1):.1f} tokens a step)", flush=True)
+            phases = {k[2:]: v for k, v in steps.items() if k.startswith("s ")}
+            if phases:
+                print(f"  ms a step ({mode}): " + "  ".join(f"{k} {v / max(steps['steps'], 1) * 1e3:.2f}"
+                                                        for k, v in phases.items()), flush=True)
     best = {mode: {k: min(r[k] for r in rows) for k in rows[0]} for mode, rows in runs.items()}
-    ratio = {k: best["off"][k] / best["on"][k] for k in best["on"]}
+    ratio = {k: best["off"][k] / best["on"][k] for k in best["on"] if best["on"][k]}
     print("off / on (best of rounds): " + "  ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
     return {"arrival_rate": args.arrival_rate, "concurrency": args.concurrency, "seed": args.seed,
             "doc_words": args.doc_words, "last_send": sends[-1], "runs": runs, "best": best, "off_over_on": ratio,

@@ -60,6 +60,11 @@ log = logging.getLogger("radixlm.engine")
 __all__ = ["EngineCore", "RequestOutput"]
 
 DEFAULT_CONTEXT_CAP = 8192
+# Where the step loop's time goes (EngineCore.step_seconds, /get_server_info): picking the work,
+# the forward pass (its launch on CUDA), masks and sampling, queueing the next step ahead (the
+# overlap schedule), waiting for the tokens on the host, making outputs; and, in the engine
+# process, taking in messages and sending outputs.
+STEP_PHASES = ("schedule", "forward", "sample", "ahead", "wait", "process", "intake", "send")
 # Prompt lengths of the start-up requests on CUDA, one wave (one batch) per list: each wave's
 # prefill and decode steps hit other kernel shapes (1 row: GEMV; 2-32 rows: the few-row kernel,
 # specialized on rows % 16; more: cuBLAS; the extend attention at several lengths).
@@ -154,6 +159,9 @@ class EngineCore:
         self.steps = 0
         self.prompt_steps = 0  # steps that fed some prompt (or a jump's forced tokens), not only decodes
         self.rows_fed = 0  # the steps' sequences in all: over steps, the mean batch
+        self.tokens_fed = 0  # the steps' tokens in all (prompt pieces, forced tokens, decodes)
+        # seconds by phase of the step loop (the engine process adds its intake and send)
+        self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)
 
     def check_ranks(self) -> None:
         """Raise RankFailure if a tensor-parallel worker rank has exited (cheap: a non-blocking wait)."""
@@ -219,7 +227,8 @@ class EngineCore:
         if self.device.type == "cuda":
             self.output.jump_policy = self._measure_jump_cost()
         self.cache.reset()
-        self.steps = self.prompt_steps = self.rows_fed = 0
+        self.steps = self.prompt_steps = self.rows_fed = self.tokens_fed = 0
+        self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self.output.totals.prompt_tokens = self.output.totals.cached_tokens = 0
 
     def _measure_jump_cost(self) -> JumpPolicy:
@@ -328,10 +337,14 @@ class EngineCore:
         self.sessions.expire()
         run, self._ahead = self._ahead or self._schedule_and_run(), None
         if run is not None:
+            t0 = time.perf_counter()
             self._queue_ahead(run)
+            self.step_seconds["ahead"] += time.perf_counter() - t0
             outputs += self._process(run)
         if self._ahead_forward is not None:
+            t0 = time.perf_counter()
             self._ahead, self._ahead_forward = self._sample_ahead(self._ahead_forward), None
+            self.step_seconds["sample"] += time.perf_counter() - t0
         return outputs + self._ended_elsewhere()
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -352,11 +365,17 @@ class EngineCore:
 
     def _schedule_and_run(self) -> StepRun | None:
         """Phases 1 and 2: pick the step's work, run the forward pass, mask and sample."""
+        clock = self.step_seconds
+        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()  # unpins sessions, oldest first, when work would not fit
+        t1 = time.perf_counter()
+        clock["schedule"] += t1 - t0
         if not scheduled:
             return None
         self._count_step(scheduled)
         logits = self.runner.forward([s.seq for s in scheduled])
+        t0 = time.perf_counter()
+        clock["forward"] += t0 - t1
         rows: list[int] = []
         samplers: list[EngineRequest] = []
         off = 0
@@ -379,6 +398,7 @@ class EngineCore:
         failed, tokens = self._mask_and_sample(logits, samplers)
         ended = tuple(self.output.fail(req, error) for req, error in failed)
         want_lp = any(r.return_logprob for r in samplers)
+        clock["sample"] += time.perf_counter() - t0
         return StepRun(scheduled, samplers, tokens, self.runner.fetch_ids(tokens), logits if want_lp else None, ended)
 
     def _queue_ahead(self, run: StepRun) -> None:
@@ -476,11 +496,15 @@ class EngineCore:
     def _count_step(self, step: Sequence[Scheduled]) -> None:
         self.steps += 1
         self.rows_fed += len(step)
+        self.tokens_fed += sum(len(s.seq.token_ids) for s in step)
         self.prompt_steps += any(s.prefill for s in step)
 
     def _process(self, run: StepRun) -> list[RequestOutput]:
         """Phase 3: the run's tokens on the host become outputs; finished requests leave."""
+        t0 = time.perf_counter()
         ids = run.fetch()
+        t1 = time.perf_counter()
+        self.step_seconds["wait"] += t1 - t0
         live = [i for i, r in enumerate(run.samplers) if r.status is Status.RUNNING]
         if run.queued_ahead and live:
             self._count_step(run.step)
@@ -496,6 +520,7 @@ class EngineCore:
             reqs, [ids[i] for i in live],
             None if lps is None else [lps[i] for i in live], None if tops is None else [tops[i] for i in live])
         self.scheduler.end_step(run.step)
+        self.step_seconds["process"] += time.perf_counter() - t1
         return [self._end(o) if o.finished else o for o in outputs]
 
     def _ended_elsewhere(self) -> list[RequestOutput]:

@@ -54,18 +54,26 @@ def _strip(out: dict) -> tuple:
 def test_batch_outputs_equal(engines):
     on, off = engines
     assert on.core.overlap and not off.core.overlap
-    counters = [(e.core.steps, e.core.prompt_steps, e.core.rows_fed) for e in (on, off)]
+    counters = [(e.core.steps, e.core.prompt_steps, e.core.rows_fed, e.core.tokens_fed) for e in (on, off)]
+    clocks = [dict(e.core.step_seconds) for e in (on, off)]
     got = on.generate(PROMPTS, _params())
     ref = off.generate(PROMPTS, _params())
     assert [_strip(o) for o in got] == [_strip(o) for o in ref]
     assert {o["meta_info"]["finish_reason"]["type"] for o in ref} == {"stop", "length"}
-    for e, outs, (steps, prompt_steps, rows) in zip((on, off), (got, ref), counters):
+    for e, outs, (steps, prompt_steps, rows, tokens), clock in zip((on, off), (got, ref), counters, clocks):
         passes = sum(o["meta_info"]["forward_passes"] for o in outs)
         steps, prompt_steps, rows = e.core.steps - steps, e.core.prompt_steps - prompt_steps, e.core.rows_fed - rows
         assert 1 <= prompt_steps < steps <= rows
         # each step a request ran in is one row (a step queued ahead may also carry the row of a
         # request that ended meanwhile)
         assert rows == passes if e is off else rows >= passes
+        # the tokens fed: each prompt's uncached part once, then each output token but the last
+        m = [o["meta_info"] for o in outs]
+        fed = sum(i["prompt_tokens"] - i["cached_tokens"] + i["completion_tokens"] - 1 for i in m)
+        assert e.core.tokens_fed - tokens == fed if e is off else e.core.tokens_fed - tokens >= fed
+        # the step loop's clock: each phase of a CPU step ran
+        spent = {k: v - clock[k] for k, v in e.core.step_seconds.items()}
+        assert all(spent[k] > 0 for k in ("schedule", "forward", "sample", "ahead", "wait", "process"))
     on.core.check_idle_integrity()
     off.core.check_idle_integrity()
 

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import os
 import signal
+import time
 import traceback
 from typing import Any
 
@@ -53,6 +54,8 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "steps": core.steps,
         "prompt_steps": core.prompt_steps,
         "rows_fed": core.rows_fed,
+        "tokens_fed": core.tokens_fed,
+        "step_phase_seconds": dict(core.step_seconds),
         "prompt_tokens_total": core.prompt_tokens_total,
         "cached_tokens_total": core.cached_tokens_total,
         **core.sessions.stats_dict(),
@@ -135,6 +138,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: Outbox) -> None:
         timeout = 0 if core.has_work else PARENT_CHECK_MS
         core.sessions.expire()  # also while idle, so expired sessions stop pinning KV
         while poller.poll(timeout):
+            t0 = time.perf_counter()
             msg = inbox.recv_pyobj()
             if isinstance(msg, Shutdown):
                 for rid in list(core.requests):
@@ -144,6 +148,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: Outbox) -> None:
                 outbox.send(Reply(-1))
                 return
             _handle(core, msg, outbox)
+            core.step_seconds["intake"] += time.perf_counter() - t0
             timeout = 0
         if core.has_work:
             try:
@@ -161,7 +166,9 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: Outbox) -> None:
                     outbox.send(RequestFailed(out.rid, out.error, bad_input=True))
             outputs = [o for o in outputs if o.error is None]
             if outputs:
+                t0 = time.perf_counter()
                 outbox.send(StepOutputs(outputs))
+                core.step_seconds["send"] += time.perf_counter() - t0
 
 
 def _handle(core: EngineCore, msg: Any, outbox: Outbox) -> None:
