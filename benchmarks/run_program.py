@@ -128,7 +128,7 @@ def flush(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b"{}", method="POST"), timeout=30)
 
 
-STEP_STATS = ("steps", "prompt_steps", "rows_fed", "tokens_fed")
+STEP_STATS = ("steps", "prompt_steps", "graph_steps", "rows_fed", "tokens_fed")
 
 
 def step_stats(url: str) -> dict[str, float]:
@@ -271,7 +271,7 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
                   f"p90 {row['p90']:7.2f} s  p99 {row['p99']:7.2f} s  max {row['max']:7.2f} s  "
                   f"mean {row['mean']:7.2f} s  wall {wall:7.2f} s  p99 by workload "
                   + ", ".join(f"{row[f'p99 {name}']:.2f}" for name in WORKLOADS) + steady
-                  + f"  steps {steps['steps']} ({steps['prompt_steps']} with a prompt, "
+                  + f"  steps {steps['steps']} ({steps['prompt_steps']} with a prompt, {steps['graph_steps']} as a CUDA graph, "
                   f"{steps['rows_fed'] / max(steps['steps'], 1):.1f} rows, "
                   f"{steps['tokens_fed'] / max(steps['steps'], 1):.1f} tokens a step)", flush=True)
             phases = {k[2:]: v for k, v in steps.items() if k.startswith("s ")}

@@ -227,7 +227,7 @@ class EngineCore:
         if self.device.type == "cuda":
             self.output.jump_policy = self._measure_jump_cost()
         self.cache.reset()
-        self.steps = self.prompt_steps = self.rows_fed = self.tokens_fed = 0
+        self.steps = self.prompt_steps = self.rows_fed = self.tokens_fed = self.runner.graph_steps = 0
         self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self.output.totals.prompt_tokens = self.output.totals.cached_tokens = 0
 

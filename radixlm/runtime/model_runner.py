@@ -45,6 +45,7 @@ class ModelRunner:
         self.attention = ATTENTION_BACKENDS[attention_backend](self.pool, self.arch.num_heads, self.arch.head_dim)
         self.leader: Leader | None = None  # set on rank 0 of a tensor-parallel engine
         self.graphs: DecodeGraphs | None = None
+        self.graph_steps = 0  # steps run as a CUDA graph (the others run eager)
         if graph_buckets and self.device.type == "cuda" and isinstance(self.attention, GraphableAttention):
             self.graphs = DecodeGraphs(model, self.attention, self.req_to_token, max_requests, graph_buckets)
 
@@ -71,6 +72,7 @@ class ModelRunner:
         graphs = self.graphs
         step = None if graphs is None else decode_rows(seqs, graphs.max_bs)
         if graphs is not None and step is not None:
+            self.graph_steps += 1
             rows_out = graphs.run(step, ids)
             return rows_out if step.logit_rows is None else rows_out[self.to_device(step.logit_rows)]
         tokens: list[int] = []

@@ -55,6 +55,7 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "prompt_steps": core.prompt_steps,
         "rows_fed": core.rows_fed,
         "tokens_fed": core.tokens_fed,
+        "graph_steps": core.runner.graph_steps,
         "step_phase_seconds": dict(core.step_seconds),
         "prompt_tokens_total": core.prompt_tokens_total,
         "cached_tokens_total": core.cached_tokens_total,

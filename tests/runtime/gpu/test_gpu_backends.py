@@ -160,6 +160,7 @@ def test_short_extends_in_graphs_equal_eager(dtype, tol):
         runner = ModelRunner(model, num_slots=8000, max_requests=4, max_context=4096,
                              attention_backend="triton", graph_buckets=buckets)
         out[buckets] = [runner.forward(seqs).clone().cpu() for seqs in _short_extends(Schedule(arch.vocab_size))]
+        assert runner.graph_steps == (3 if buckets else 0)  # the two prefills run eager
     eager, graph = out.values()
     assert [g.shape[0] for g in graph] == [3, 4, 4, 1, 8]
     errs = [_rel(g, e) for g, e in zip(graph, eager)]
