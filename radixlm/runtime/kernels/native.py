@@ -83,8 +83,9 @@ class _Library:
         llvm.initialize_native_asmprinter()
         target = llvm.Target.from_default_triple()
         features = llvm.get_host_cpu_features().flatten()
-        if isa != "avx512":  # the AVX2 code even where the processor has more
-            features = ",".join("-" + f[1:] if f[1:].startswith(("avx512", "amx")) else f for f in features.split(","))
+        if isa != "avx512":  # the AVX2 code even where the processor has more (GFNI too: AVX2-only kinds lack it)
+            features = ",".join("-" + f[1:] if f[1:].startswith(("avx512", "amx", "gfni")) else f
+                                for f in features.split(","))
         self.isa = isa
         self.machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=features, opt=3)
         self.omp = isa in native_ir.TILE_ISAS and _bind_openmp(llvm)
@@ -105,7 +106,7 @@ class _Library:
         self.write_rows = ctypes.CFUNCTYPE(None, p, i, p, i, p, i, i)(address("write_rows"))
         self.decode_layers = ctypes.CFUNCTYPE(None, p, p)(address("decode_layers"))
         self.prefill = (ctypes.CFUNCTYPE(None, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, i, p)(
-            address("prefill")) if isa in native_ir.TILE_ISAS else None)
+            address("prefill")) if isa in native_ir.PREFILL_ISAS else None)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
         self.tiles = (ctypes.CFUNCTYPE(None, p, p, p, p, i, i, i, p, p, i)(address("tiles"))
                       if isa in native_ir.TILE_ISAS else None)
@@ -281,7 +282,7 @@ def pack_tiles(u: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits
 
 
 def tiles_available(isa_name: str | None = None) -> bool:
-    """Whether the tiled products of many rows run here (AVX-512 VNNI)."""
+    """Whether the tiled products of many rows run here (AVX-512 VNNI, or AVX2)."""
     return (isa_name or isa()) in native_ir.TILE_ISAS
 
 
@@ -310,7 +311,7 @@ class BlockProduct:
         self.tiles = tiles
         if tiles is not None:
             if self.lib.tiles is None:
-                raise ValueError(f"the tiled products need AVX-512 VNNI; these kernels are {self.lib.isa}")
+                raise ValueError(f"the tiled products need AVX-512 VNNI or AVX2; these kernels are {self.lib.isa}")
             fields["wi"] = tiles.data_ptr()
             self.tile_descriptor = torch.tensor([fields[f] for f in native_ir.DESC_FIELDS], dtype=torch.int64)
 
@@ -416,7 +417,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def prefill_available() -> bool:
     """Whether `prefill_attention` runs here (the AVX-512 VNNI kernels' module)."""
-    return tiles_available()
+    return isa() in native_ir.PREFILL_ISAS
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -42,8 +42,13 @@ PREFETCH = 2048
 # out for `vpdpbusd` with one activation broadcast, then their fp16 scales and minimums)
 TILE_N, TILE_M = 16, 8
 TILE_BYTES = {4: TILE_N * 32 // 2 + 4 * TILE_N, 8: TILE_N * 32 + 4 * TILE_N}
-TILE_ISAS = ("avx512",)
-TILE_CACHE = 196_608  # bytes of int8 activations a stretch of rows takes (a thread's L2 keeps them)
+TILE_ISAS = ("avx512", "avx2")
+# the native prompt attention: on AVX2 (16 vector registers) it measured slower than torch's flash
+# kernel (1,000 queries: 23.7 against 15.1 ms, on an Ice Lake running the AVX2 code)
+PREFILL_ISAS = ("avx512",)
+# bytes of int8 activations a stretch of rows takes: a thread's L2 keeps them; on AVX2, whose
+# tiles read them twice (a pass per half tile), its L1
+TILE_CACHE = {"avx512": 196_608, "avx2": 24_576}
 
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY, OMP_PARTS = 0, 8, 9, 10
@@ -85,6 +90,7 @@ _DOTS = {"avx512": "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>,
                  "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)\n"}
 _HEADER = """
 declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
+declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
 declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
 declare <32 x float> @llvm.fabs.v32f32(<32 x float>)
 declare float @llvm.vector.reduce.fmax.v32f32(<32 x float>)
@@ -351,15 +357,17 @@ def _splat_i32(name: str, value: str) -> list[str]:
             f"  %{name} = shufflevector <16 x i32> %{name}.i, <16 x i32> poison, <16 x i32> zeroinitializer"]
 
 
-def _tile_dots(bits: int) -> list[str]:
-    """The integer sums %s{j} of a block of 32 along K: TILE_N weight rows (at %wb) against each of
-    the TILE_M activation rows (at %aqb{j}), one `vpdpbusd` per 4 weights of the 16 rows, the
-    activations' 4 bytes broadcast."""
+def _tile_dots(bits: int, isa: str, h: int) -> list[str]:
+    """The integer sums %s{h}_{j} of a block of 32 along K: TILE_N weight rows (at %wb{h}) against
+    each of the TILE_M activation rows (at %aqb{h}_{j}), one `vpdpbusd` per 4 weights of the 16
+    rows, the activations' 4 bytes broadcast (AVX2: `_tile_dots_avx2`, half `h` of the rows)."""
+    if isa == "avx2":
+        return _tile_dots_avx2(bits, h)
     out: list[str] = []
     last = ["zeroinitializer"] * TILE_M
     quads: list[tuple[str, int]] = []  # (the weights' <16 x i32>, the quad's first k)
     for p in range(4 if bits == 4 else 8):
-        out += [f"  %wl{p}.p = getelementptr i8, ptr %wb, i64 {64 * p}"]
+        out += [f"  %wl{p}.p = getelementptr i8, ptr %wb{h}, i64 {64 * p}"]
         if bits == 4:  # a load holds k 8p..8p+3 in the low nibbles, 8p+4..8p+7 in the high ones
             out += [f"  %wl{p} = load <64 x i8>, ptr %wl{p}.p, align 1",
                     f"  %wlo{p} = and <64 x i8> %wl{p}, {_splat('i8', 64, 15)}",
@@ -372,21 +380,67 @@ def _tile_dots(bits: int) -> list[str]:
             quads += [(f"%wq{p}", 4 * p)]
     for q, (weights, k) in enumerate(quads):
         for j in range(TILE_M):
-            out += [f"  %a{j}_{q}.p = getelementptr i8, ptr %aqb{j}, i64 {k}",
+            out += [f"  %a{j}_{q}.p = getelementptr i8, ptr %aqb{h}_{j}, i64 {k}",
                     f"  %a{j}_{q} = load i32, ptr %a{j}_{q}.p, align 1",
                     *_splat_i32(f"av{j}_{q}", f"%a{j}_{q}"),
                     f"  %d{j}_{q} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {last[j]}, "
                     f"<16 x i32> {weights}, <16 x i32> %av{j}_{q})"]
             last[j] = f"%d{j}_{q}"
-    return out + [f"  %s{j} = add <16 x i32> {last[j]}, zeroinitializer" for j in range(TILE_M)]
+    return out + [f"  %s{h}_{j} = add <16 x i32> {last[j]}, zeroinitializer" for j in range(TILE_M)]
 
 
-def _tile(bits: int, act: str) -> str:
+def _tile_dots_avx2(bits: int, h: int) -> list[str]:
+    """`_tile_dots` without VNNI, for half `h` of the tile's rows (8 weight rows: 32 bytes of each
+    load) into <8 x i32> sums: `vpmaddubsw` of the rows' 4 unsigned weights and the activations'
+    4 broadcast bytes gives 16-bit sums of pairs, added over the block's 8 quads in 16 bits
+    (|8 * 2 * 15 * 127| < 2^15), then `vpmaddwd` sums each row's pairs into 32 bits. 8-bit
+    weights go as two nibble halves (u = 16 * hi + lo), each of them in range; the high half's
+    pairs are weighed 16."""
+    out: list[str] = []
+    nib, four = _splat("i8", 32, 15), _splat("i8", 32, 4)
+    weigh = {0: _splat("i16", 16, 1), 1: _splat("i16", 16, 16)}
+    quads: list[tuple[str, int, int]] = []  # (weights <32 x i8>, the quad's first k, 0: x1 / 1: x16)
+    for p in range(4 if bits == 4 else 8):
+        w = f"%xw{h}_{p}"
+        out += [f"  {w}.p = getelementptr i8, ptr %wb{h}, i64 {64 * p + 32 * h}",
+                f"  {w} = load <32 x i8>, ptr {w}.p, align 1",
+                f"  {w}lo = and <32 x i8> {w}, {nib}",
+                f"  {w}hi = lshr <32 x i8> {w}, {four}"]
+        quads += ([(f"{w}lo", 8 * p, 0), (f"{w}hi", 8 * p + 4, 0)] if bits == 4
+                  else [(f"{w}lo", 4 * p, 0), (f"{w}hi", 4 * p, 1)])
+    for j in range(TILE_M):
+        acc: dict[int, str] = {}
+        for q, (w, k, g) in enumerate(quads):
+            a = f"%xa{h}_{j}_{q}"
+            out += [f"  {a}.p = getelementptr i8, ptr %aqb{h}_{j}, i64 {k}",
+                    f"  {a}.i = load i32, ptr {a}.p, align 1",
+                    f"  {a}.v = insertelement <8 x i32> poison, i32 {a}.i, i64 0",
+                    f"  {a}.s = shufflevector <8 x i32> {a}.v, <8 x i32> poison, <8 x i32> zeroinitializer",
+                    f"  {a} = bitcast <8 x i32> {a}.s to <32 x i8>",
+                    f"  {a}.m = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {w}, <32 x i8> {a})"]
+            if g in acc:
+                out.append(f"  {a}.t = add <16 x i16> {acc[g]}, {a}.m")
+                acc[g] = f"{a}.t"
+            else:
+                acc[g] = f"{a}.m"
+        parts = []
+        for g, total in acc.items():
+            out.append(f"  %xd{h}_{j}_{g} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {total}, "
+                       f"<16 x i16> {weigh[g]})")
+            parts.append(f"%xd{h}_{j}_{g}")
+        out.append(f"  %s{h}_{j} = add <8 x i32> {parts[0]}, {parts[1]}" if len(parts) == 2
+                   else f"  %s{h}_{j} = add <8 x i32> {parts[0]}, zeroinitializer")
+    return out
+
+
+def _tile(bits: int, act: str, isa: str) -> str:
     """tile_{act}_{bits}(w, aq, asc, y, t0, t1, m, nch, n): output tiles t0..t1 (TILE_N output rows
     each) of m activation rows (a multiple of TILE_M), in stretches of rows whose int8 values fit
-    TILE_CACHE; each tile of each stretch reads its weights once for TILE_M rows at a time."""
+    TILE_CACHE; each tile of each stretch reads its weights once for TILE_M rows at a time. On
+    AVX2 (16 vector registers) a tile's block loop runs twice, for each half of its output rows,
+    so that its sums stay in registers."""
     tb = TILE_BYTES[bits]
-    scales = tb - 4 * TILE_N
+    halves = 2 if isa == "avx2" else 1
     out = [f"define void @tile_{act}_{bits}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %t0, i64 %t1, i64 %m, "
            "i64 %nch, i64 %n) {",
            "entry:",
@@ -394,7 +448,7 @@ def _tile(bits: int, act: str) -> str:
            "  %k = shl i64 %nch, 6",
            "  %sstride = shl i64 %nch, 2",
            f"  %tilebytes = mul i64 %nb, {tb}",
-           f"  %fit = udiv i64 {TILE_CACHE}, %k",
+           f"  %fit = udiv i64 {TILE_CACHE[isa]}, %k",
            f"  %fitm = and i64 %fit, {-TILE_M}",
            f"  %stretch = call i64 @llvm.umax.i64(i64 %fitm, i64 {TILE_M})",
            "  %notiles = icmp uge i64 %t0, %t1",
@@ -419,56 +473,15 @@ def _tile(bits: int, act: str) -> str:
                 f"  %ao{j} = mul i64 %row{j}, %k",
                 f"  %aqr{j} = getelementptr i8, ptr %aq, i64 %ao{j}",
                 f"  %so{j} = mul i64 %row{j}, %sstride",
-                f"  %ascr{j} = getelementptr float, ptr %asc, i64 %so{j}"]
-    out += ["  br label %blk",
-            "blk:",
-            "  %b = phi i64 [0, %mt], [%b.next, %blk]"]
-    out += [f"  %acc{j} = phi <16 x float> [zeroinitializer, %mt], [%accn{j}, %blk]" for j in range(TILE_M)]
-    out += [f"  %bo = mul i64 %b, {tb}",
-            "  %wb = getelementptr i8, ptr %wt, i64 %bo",
-            f"  %pf = getelementptr i8, ptr %wb, i64 {PREFETCH}",
-            "  call void @llvm.prefetch.p0(ptr %pf, i32 0, i32 3, i32 1)",
-            f"  %dsp = getelementptr i8, ptr %wb, i64 {scales}",
-            "  %dsh = load <16 x half>, ptr %dsp, align 2",
-            "  %ds = fpext <16 x half> %dsh to <16 x float>",
-            f"  %msp = getelementptr i8, ptr %wb, i64 {scales + 2 * TILE_N}",
-            "  %msh = load <16 x half>, ptr %msp, align 2",
-            "  %ms = fpext <16 x half> %msh to <16 x float>",
-            "  %ab = shl i64 %b, 5",
-            "  %bpair = lshr i64 %b, 1",
-            "  %bodd = and i64 %b, 1",
-            "  %bs4 = shl i64 %bpair, 2",
-            "  %bsi = add i64 %bs4, %bodd"]
-    for j in range(TILE_M):
-        out += [f"  %aqb{j} = getelementptr i8, ptr %aqr{j}, i64 %ab",
-                f"  %dap{j} = getelementptr float, ptr %ascr{j}, i64 %bsi",
-                f"  %da{j} = load float, ptr %dap{j}, align 4",
-                f"  %sap{j} = getelementptr float, ptr %dap{j}, i64 2",
-                f"  %sa{j} = load float, ptr %sap{j}, align 4"]
-    out += _tile_dots(bits)
-    for j in range(TILE_M):
-        out += [f"  %f{j} = sitofp <16 x i32> %s{j} to <16 x float>",
-                *_broadcast(f"dav{j}", f"%da{j}", 16),
-                f"  %dd{j} = fmul <16 x float> %ds, %dav{j}",
-                f"  %acd{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{j}, <16 x float> %dd{j}, "
-                f"<16 x float> %acc{j})",
-                *_broadcast(f"sav{j}", f"%sa{j}", 16),
-                f"  %accn{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %ms, <16 x float> %sav{j}, "
-                f"<16 x float> %acd{j})"]
-    out += ["  %b.next = add i64 %b, 1",
-            "  %bmore = icmp ult i64 %b.next, %nb",
-            "  br i1 %bmore, label %blk, label %mtnext",
-            "mtnext:"]
-    for j in range(TILE_M):
-        out += [f"  %yr{j} = mul i64 %row{j}, %n", f"  %yo{j} = add i64 %yr{j}, %tcol"]
-        if act == "bf16":
-            out += [*_to_bf16(f"%accn{j}", f"yb{j}", 16),
-                    f"  %yp{j} = getelementptr i16, ptr %y, i64 %yo{j}",
-                    f"  store <16 x i16> %yb{j}, ptr %yp{j}, align 2"]
-        else:
-            out += [f"  %yp{j} = getelementptr float, ptr %y, i64 %yo{j}",
-                    f"  store <16 x float> %accn{j}, ptr %yp{j}, align 4"]
-    out += [f"  %r.next = add i64 %r, {TILE_M}",
+                f"  %ascr{j} = getelementptr float, ptr %asc, i64 %so{j}",
+                f"  %yr{j} = mul i64 %row{j}, %n",
+                f"  %yo{j} = add i64 %yr{j}, %tcol"]
+    out.append("  br label %blk0")
+    for h in range(halves):
+        out += _tile_pass(bits, act, isa, h, halves, "mt" if h == 0 else f"stored{h - 1}")
+        out.append(f"  br label %{'mtnext' if h == halves - 1 else f'blk{h + 1}'}")
+    out += ["mtnext:",
+            f"  %r.next = add i64 %r, {TILE_M}",
             "  %rmore = icmp ult i64 %r.next, %mc1",
             "  br i1 %rmore, label %mt, label %ntnext",
             "ntnext:",
@@ -482,6 +495,61 @@ def _tile(bits: int, act: str) -> str:
             "  ret void",
             "}"]
     return "\n".join(out) + "\n"
+
+
+def _tile_pass(bits: int, act: str, isa: str, h: int, halves: int, before: str) -> list[str]:
+    """One pass of a tile's block loop (label blk{h}, entered from `before`) over output rows
+    h * L .. h * L + L - 1 (L = TILE_N / halves lanes), then their stores (ending in block
+    stored{h}): TILE_M rows' sums of the blocks' integer dots times the blocks' scales."""
+    lanes = TILE_N // halves
+    v = f"<{lanes} x float>"
+    scales = TILE_BYTES[bits] - 4 * TILE_N
+    out = [f"blk{h}:",
+           f"  %b{h} = phi i64 [0, %{before}], [%b{h}.next, %blk{h}]"]
+    out += [f"  %acc{h}_{j} = phi {v} [zeroinitializer, %{before}], [%accn{h}_{j}, %blk{h}]" for j in range(TILE_M)]
+    out += [f"  %bo{h} = mul i64 %b{h}, {TILE_BYTES[bits]}",
+            f"  %wb{h} = getelementptr i8, ptr %wt, i64 %bo{h}",
+            f"  %pf{h} = getelementptr i8, ptr %wb{h}, i64 {PREFETCH}",
+            f"  call void @llvm.prefetch.p0(ptr %pf{h}, i32 0, i32 3, i32 1)",
+            f"  %dsp{h} = getelementptr i8, ptr %wb{h}, i64 {scales + 2 * lanes * h}",
+            f"  %dsh{h} = load <{lanes} x half>, ptr %dsp{h}, align 2",
+            f"  %ds{h} = fpext <{lanes} x half> %dsh{h} to {v}",
+            f"  %msp{h} = getelementptr i8, ptr %wb{h}, i64 {scales + 2 * TILE_N + 2 * lanes * h}",
+            f"  %msh{h} = load <{lanes} x half>, ptr %msp{h}, align 2",
+            f"  %ms{h} = fpext <{lanes} x half> %msh{h} to {v}",
+            f"  %ab{h} = shl i64 %b{h}, 5",
+            f"  %bpair{h} = lshr i64 %b{h}, 1",
+            f"  %bodd{h} = and i64 %b{h}, 1",
+            f"  %bs4{h} = shl i64 %bpair{h}, 2",
+            f"  %bsi{h} = add i64 %bs4{h}, %bodd{h}"]
+    for j in range(TILE_M):
+        out += [f"  %aqb{h}_{j} = getelementptr i8, ptr %aqr{j}, i64 %ab{h}",
+                f"  %dap{h}_{j} = getelementptr float, ptr %ascr{j}, i64 %bsi{h}",
+                f"  %da{h}_{j} = load float, ptr %dap{h}_{j}, align 4",
+                f"  %sap{h}_{j} = getelementptr float, ptr %dap{h}_{j}, i64 2",
+                f"  %sa{h}_{j} = load float, ptr %sap{h}_{j}, align 4"]
+    out += _tile_dots(bits, isa, h)
+    for j in range(TILE_M):
+        out += [f"  %f{h}_{j} = sitofp <{lanes} x i32> %s{h}_{j} to {v}",
+                *_broadcast(f"dav{h}_{j}", f"%da{h}_{j}", lanes),
+                f"  %dd{h}_{j} = fmul {v} %ds{h}, %dav{h}_{j}",
+                f"  %acd{h}_{j} = call {v} @llvm.fma.v{lanes}f32({v} %f{h}_{j}, {v} %dd{h}_{j}, {v} %acc{h}_{j})",
+                *_broadcast(f"sav{h}_{j}", f"%sa{h}_{j}", lanes),
+                f"  %accn{h}_{j} = call {v} @llvm.fma.v{lanes}f32({v} %ms{h}, {v} %sav{h}_{j}, {v} %acd{h}_{j})"]
+    out += [f"  %b{h}.next = add i64 %b{h}, 1",
+            f"  %bmore{h} = icmp ult i64 %b{h}.next, %nb",
+            f"  br i1 %bmore{h}, label %blk{h}, label %stored{h}",
+            f"stored{h}:"]
+    for j in range(TILE_M):
+        out.append(f"  %yh{h}_{j} = add i64 %yo{j}, {lanes * h}")
+        if act == "bf16":
+            out += [*_to_bf16(f"%accn{h}_{j}", f"yb{h}_{j}", lanes),
+                    f"  %yp{h}_{j} = getelementptr i16, ptr %y, i64 %yh{h}_{j}",
+                    f"  store <{lanes} x i16> %yb{h}_{j}, ptr %yp{h}_{j}, align 2"]
+        else:
+            out += [f"  %yp{h}_{j} = getelementptr float, ptr %y, i64 %yh{h}_{j}",
+                    f"  store {v} %accn{h}_{j}, ptr %yp{h}_{j}, align 4"]
+    return out
 
 
 def _tiles_part() -> str:
@@ -1236,18 +1304,20 @@ exit:
 """
 
 
-def _threads(tiles: bool) -> str:
+def _threads(tiles: bool, prefill: bool) -> str:
     """worker(ctl, i): run part i + 1 of each job until `stop` (every job since the control block
     was zeroed: a worker that starts after the first job was posted still runs it); run_job: post
-    a job, run part 0, wait for the workers. `tiles`: the module has the tiled products."""
-    tiles_case = f"i64 {NORM}, label %rms_norm i64 {ROTATE}, label %rotate i64 {SWIGLU}, label %swiglu " + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize "
-                                                f"i64 {PREFILL}, label %prefill " if tiles else "")
-    tiles_block = ("rms_norm:\n  call void @rms_norm_part(ptr %ctl, i64 %index)\n  ret void\n"
-                   "rotate:\n  call void @rotate_part(ptr %ctl, i64 %index)\n  ret void\n"
-                   "swiglu:\n  call void @swiglu_part(ptr %ctl, i64 %index)\n  ret void\n") + (
-        "tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
-        "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void\n"
-        "prefill:\n  call void @prefill_part(ptr %ctl, i64 %index)\n  ret void" if tiles else "")
+    a job, run part 0, wait for the workers. `tiles`: the module has the tiled products;
+    `prefill`: the prompt attention."""
+    cases = (f"i64 {NORM}, label %rms_norm i64 {ROTATE}, label %rotate i64 {SWIGLU}, label %swiglu "
+             + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize " if tiles else "")
+             + (f"i64 {PREFILL}, label %prefill " if prefill else ""))
+    blocks = ("rms_norm:\n  call void @rms_norm_part(ptr %ctl, i64 %index)\n  ret void\n"
+              "rotate:\n  call void @rotate_part(ptr %ctl, i64 %index)\n  ret void\n"
+              "swiglu:\n  call void @swiglu_part(ptr %ctl, i64 %index)\n  ret void\n"
+              + ("tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
+                 "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void\n" if tiles else "")
+              + ("prefill:\n  call void @prefill_part(ptr %ctl, i64 %index)\n  ret void\n" if prefill else ""))
     return f"""
 define void @worker(ptr %ctl, i64 %i) {{
 entry:
@@ -1381,9 +1451,8 @@ define void @part(ptr %ctl, i64 %index) {{
 entry:
   %opp = getelementptr i64, ptr %ctl, i64 {JOB}
   %op = load i64, ptr %opp, align 8
-  switch i64 %op, label %attention [ i64 {PRODUCT}, label %product {tiles_case}]
-{tiles_block}
-product:
+  switch i64 %op, label %attention [ i64 {PRODUCT}, label %product {cases}]
+{blocks}product:
   call void @product_part(ptr %ctl, i64 %index)
   ret void
 attention:
@@ -1616,8 +1685,9 @@ def module_ir(isa: str = "avx512", omp: bool = False) -> str:
     rows = "".join(_rows(bits, m, act, isa) for act in ACTS for bits in CHUNK_BYTES for m in range(1, MAX_ROWS + 1))
     attention = _exp2() + "".join(_attend(d, act) for act in ACTS for d in HEAD_DIMS) + _attention_part()
     quantize = "".join(_quantize(act) for act in ACTS)
-    tiles = ("".join(_tile(bits, act) for act in ACTS for bits in TILE_BYTES) + _tiles_part() + _prefill()
+    tiles = ("".join(_tile(bits, act, isa) for act in ACTS for bits in TILE_BYTES) + _tiles_part()
              if isa in TILE_ISAS else "")
+    prefill = _prefill() if isa in PREFILL_ISAS else ""
     return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm() + _rotate() + _swiglu() + _write_rows()
             + _decode_layers(bool(tiles))
-            + _run_on(omp and bool(tiles)) + _threads(bool(tiles)))
+            + prefill + _run_on(omp and bool(tiles)) + _threads(bool(tiles), bool(prefill)))

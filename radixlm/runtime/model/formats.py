@@ -34,8 +34,10 @@ NATIVE_DENSE_ABOVE = 16
 # With fp32 activations (no native bf16) the dense copy is FBGEMM's fp16 GEMM, which the native
 # row kernels beat up to 4 rows and lose to from ~8 (Ice Lake, 2 threads, weights cold: 30 layers'
 # products 24.8 against 28.9 ms at 4 rows, 31.1 / 28.9 at 8, 82.7 / 59.0 at 16; docs/benchmarks.md,
-# "Native kernels without native bf16"). Where AVX-512 VNNI runs the tiled products there is no
-# dense copy: they beat FBGEMM's fp16 GEMM at every row count from 5 ("Tiled products").
+# "Native kernels without native bf16"). Where the tiled products run (AVX-512 VNNI, AVX2) there
+# is no dense copy: VNNI's beat FBGEMM's fp16 GEMM at every row count from 5 ("Tiled products");
+# AVX2's measured as fast as FBGEMM's (AVX-512) fp16 GEMM at a 1k prompt and 2.25x at bs16 decode
+# (the AVX2 code on an Ice Lake: "Tiled products on AVX2").
 NATIVE_FP32_DENSE_ABOVE = 4
 
 

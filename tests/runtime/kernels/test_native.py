@@ -91,19 +91,22 @@ def test_rows_are_the_same_alone_in_a_batch_and_across_threads():
     assert torch.equal(busy, together)
 
 
-TILED = pytest.mark.skipif(not native.tiles_available(), reason="the tiled products need AVX-512 VNNI")
+TILED = pytest.mark.skipif(not native.tiles_available(), reason="the tiled products need AVX-512 VNNI or AVX2")
+TILE_ISAS = [i for i in ISAS if i in native_ir.TILE_ISAS]
 
 
 @TILED
+@pytest.mark.parametrize("isa", TILE_ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [5, 8, 13, 40])
-def test_tiled_product_is_the_int8_block_arithmetic(dtype, bits, rows):
+def test_tiled_product_is_the_int8_block_arithmetic(isa, dtype, bits, rows):
     """More than MAX_ROWS rows on the tiled layout (rows padded to TILE_M, the padding cut off):
-    the same arithmetic as the row kernels, on the caller's threads and on torch's OpenMP pool."""
+    the same arithmetic as the row kernels, on the caller's threads and on torch's OpenMP pool,
+    in each instruction set's form."""
     n, k = 208, 320
     u, scale, minimum = _blocks(bits, n, k, seed=bits * 10 + rows)
-    product = native.BlockProduct.affine(u, scale, minimum, bits, dtype, tiled=True)
+    product = native.BlockProduct.affine(u, scale, minimum, bits, dtype, isa, tiled=True)
     assert product.tiles is not None and product.tiles.shape == (n // 16, k // 32 * native_ir.TILE_BYTES[bits])
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
     x[0, :32] = 0
@@ -120,6 +123,24 @@ def test_tiled_product_is_the_int8_block_arithmetic(dtype, bits, rows):
     w = (u.float().view(n, k // 32, 32) * scale[..., None] + minimum[..., None]).view(n, k)
     exact = x.float() @ w.T
     assert 1e-4 < (got.float() - exact).abs().max().item() / exact.abs().max().item() < 0.02
+
+
+@pytest.mark.skipif(len(TILE_ISAS) < 2, reason="needs a processor that runs both forms of the tiles")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tiles_equal_in_both_instruction_sets(dtype, bits):
+    """The AVX2 tiles (vpmaddubsw in 16 bits, a pass per half tile; 8-bit weights as two nibble
+    halves) sum the same integers as AVX-512 VNNI's and scale them in the same order: equal to
+    the bit, over a stretch of rows longer than AVX2's (TILE_CACHE)."""
+    n, k, rows = 64, 1536, 40
+    u, scale, minimum = _blocks(bits, n, k, seed=bits)
+    u[:16, :64] = 2**bits - 1
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[1] = 0
+    x[2, :64] = 127.0  # rows at the quantization's extremes: the 16-bit sums' largest
+    x[3, :64] = -127.0
+    got = [native.BlockProduct.affine(u, scale, minimum, bits, dtype, isa, tiled=True)(x) for isa in ("avx512", "avx2")]
+    assert torch.equal(got[0], got[1])
 
 
 @TILED

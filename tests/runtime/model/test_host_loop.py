@@ -94,7 +94,7 @@ def test_fused_decode_equals_the_layer_loop(monkeypatch, rows, isa):
     fused_rows = FusedDecode.supported(model.shard, model._layer_parts(), False)
     assert fused_rows == (32 if isa in native_ir.TILE_ISAS else 4)
     if rows > fused_rows:
-        pytest.skip("decode steps of more than 4 rows run as one call with the tiled products (AVX-512 VNNI)")
+        pytest.skip("decode steps of more than 4 rows run as one call with the tiled products")
     pool = KVPool(model.shard, 1024, torch.float32, "cpu")
     att = TorchAttention(pool, arch.num_heads, arch.head_dim)
     table = torch.arange(1, 1 + rows * 32).view(rows, 32)

@@ -303,10 +303,10 @@ def test_default_model_quantized_logits_and_greedy(default_source, smol_tokenize
 def test_default_model_in_fp32_on_the_native_kernels(default_source, smol_tokenizer, tiled):
     """As `auto` serves on a processor without native bf16: the GGUF's 4-bit and 8-bit blocks on
     the native kernels with fp32 activations for steps of few rows, and above them (a prompt) the
-    tiled products (AVX-512 VNNI) or an fp16 copy in FBGEMM; logits within the int8 activation
+    tiled products (AVX-512 VNNI or AVX2) or an fp16 copy in FBGEMM; logits within the int8 activation
     blocks' error of the fp32 model, the answers."""
     if tiled and not native.tiles_available():
-        pytest.skip("the tiled products need AVX-512 VNNI")
+        pytest.skip("the tiled products need AVX-512 VNNI or AVX2")
     src = default_source
     dense = build_model(src.arch, src.weights_dir, torch.float32, "cpu", max_positions=2048)
     rows = 16 if tiled else auto_dense_above("float32")  # the prompt's rows below: on the tiles, or the copy
