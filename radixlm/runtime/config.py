@@ -180,7 +180,8 @@ class CudaGraphConfig:
     """Decode steps replayed as CUDA graphs (CUDA with the triton attention backend only)."""
 
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None  # largest captured decode batch; None: max_running_requests
+    # the most rows (tokens) a captured step holds; None: max_running_requests + GRAPH_EXTEND_ROWS
+    cuda_graph_max_bs: int | None = None
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

@@ -31,6 +31,10 @@ _FIELDS = 5  # rows of the static input buffer: ids, positions, slots, request r
 # A sequence extends in the decode graphs up to this many new tokens (one decode row each): each
 # row reads its sequence's whole KV, so the rows of a long extend would read it over and over.
 GRAPH_EXTEND_TOKENS = 32
+# Rows the graphs hold beyond a full batch of decodes (CudaGraphConfig.cuda_graph_max_bs's
+# default): room for the tokens of short extends beside them (a jump's forced text, a program's
+# next prompt piece), which would otherwise send the whole step eager.
+GRAPH_EXTEND_ROWS = 32
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.constrained.registry import check_grammar_backend
 from radixlm.runtime.constrained.service import GrammarService
-from radixlm.runtime.cuda_graph import graph_buckets
+from radixlm.runtime.cuda_graph import GRAPH_EXTEND_ROWS, graph_buckets
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.distributed import TPGroup, check_devices, check_tp_size, init_tp_group, tp_device
 from radixlm.runtime.distributed.launch import Leader, WorkerSet, cpu_threads, exit_with_parent
@@ -667,7 +667,7 @@ def build_runner(config: EngineConfig, source: ModelSource, device: torch.device
                  group: TPGroup | None, formats: NumberFormats) -> tuple[LlamaModel, ModelRunner]:
     """The model (this rank's shard with `group`) and its runner; every rank runs this, in step,
     so the KV pool has the same number of slots on every rank (the smallest any can hold)."""
-    mc, sc, gc = config.model, config.scheduler, config.cuda_graph
+    mc, sc = config.model, config.scheduler
     if device.type == "cuda":  # compiled kernels stay in radixlm's cache: a restart loads them
         os.environ.setdefault("TRITON_CACHE_DIR", str(Path(mc.cache_dir) / "triton"))
     dtype = getattr(torch, formats.dtype.dtype)
@@ -677,10 +677,15 @@ def build_runner(config: EngineConfig, source: ModelSource, device: torch.device
     num_slots = config.cache.max_total_tokens or _pool_slots(config, model.shard, dtype, device, ctx)
     if group is not None:
         num_slots = group.min_host(num_slots)
-    max_graph_bs = min(gc.cuda_graph_max_bs or sc.max_running_requests, sc.max_running_requests)
     runner = ModelRunner(model, num_slots, sc.max_running_requests, ctx, config.attention_backend_name,
-                         () if gc.disable_cuda_graph else graph_buckets(max_graph_bs))
+                         () if config.cuda_graph.disable_cuda_graph else graph_buckets(_graph_rows(config)))
     return model, runner
+
+
+def _graph_rows(config: EngineConfig) -> int:
+    """The most rows (tokens) a captured step holds: a full batch of decodes and room for short
+    extends beside them, unless --cuda-graph-max-bs says otherwise."""
+    return config.cuda_graph.cuda_graph_max_bs or config.scheduler.max_running_requests + GRAPH_EXTEND_ROWS
 
 
 def _pool_slots(config: EngineConfig, shard: ModelArch, dtype: torch.dtype, device: torch.device, ctx: int) -> int:
@@ -691,7 +696,8 @@ def _pool_slots(config: EngineConfig, shard: ModelArch, dtype: torch.dtype, devi
     if device.type == "cuda":
         torch.cuda.empty_cache()
         tokens = max(sc.max_prefill_tokens, sc.chunked_prefill_size or ctx)
-        reserve = activation_reserve(shard, dtype, tokens + sc.max_running_requests, sc.max_running_requests)
+        rows = max(sc.max_running_requests, 0 if config.cuda_graph.disable_cuda_graph else _graph_rows(config))
+        reserve = activation_reserve(shard, dtype, tokens + rows, rows)
     return pool_slots(shard, dtype, _available_memory(device), cc.fraction_for(device.type), reserve)
 
 

@@ -12,6 +12,7 @@ import torch
 from triton_cases import compare, fused_errors, store_kv_matches, tiny_arch
 
 from radixlm.runtime.batch import SeqStep
+from radixlm.runtime.cuda_graph import GRAPH_EXTEND_ROWS
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.llama import LlamaModel
@@ -180,6 +181,8 @@ def _greedy(tokenizer_dir: str, prompts: list[list[int]], dtype: str, backend: s
                     max_running_requests=16, chunked_prefill_size=256, overlap_schedule=overlap)
     lengths = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in lengths]
+    if backend == "triton" and not disable_graph:  # a full batch of decodes and room for short extends
+        assert engine.core.runner.graphs is not None and engine.core.runner.graphs.max_bs == 16 + GRAPH_EXTEND_ROWS
     out = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
     engine.core.check_idle_integrity()
     engine.shutdown()
