@@ -247,7 +247,7 @@ class NativeBlockLinear(WeightOnlyLinear):
     processor runs them (`native.available()`: AVX-512 VNNI or AVX2), for bf16 or fp32
     activations. A layer without a dense copy also holds its weights tiled for steps of more than
     4 rows (`native.pack_tiles`; AVX-512 VNNI: 1.4-1.7x FBGEMM's fp16 GEMM from 8 to 1,024 rows on
-    an Ice Lake; AVX2: ~2x slower than VNNI, 2.25x the fp16 copy at bs16 decode, docs/benchmarks.md); with fp32 activations a dense copy is held as
+    an Ice Lake; AVX2: 2-2.8x VNNI's time, 2.1-2.25x the fp16 copy at bs16 decode, docs/benchmarks.md); with fp32 activations a dense copy is held as
     fp16 in FBGEMM's GEMM where this torch has it (`Fp16Linear`)."""
 
     def __init__(self, product: BlockProduct, method: str, bias: torch.Tensor | None = None,

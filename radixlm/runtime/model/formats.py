@@ -36,8 +36,8 @@ NATIVE_DENSE_ABOVE = 16
 # products 24.8 against 28.9 ms at 4 rows, 31.1 / 28.9 at 8, 82.7 / 59.0 at 16; docs/benchmarks.md,
 # "Native kernels without native bf16"). Where the tiled products run (AVX-512 VNNI, AVX2) there
 # is no dense copy: VNNI's beat FBGEMM's fp16 GEMM at every row count from 5 ("Tiled products");
-# AVX2's measured as fast as FBGEMM's (AVX-512) fp16 GEMM at a 1k prompt and 2.25x at bs16 decode
-# (the AVX2 code on an Ice Lake: "Tiled products on AVX2").
+# AVX2's measured 0.83-0.94x FBGEMM's (AVX-512) fp16 GEMM at a 1k prompt and 2.1-2.25x at bs16
+# decode (the AVX2 code on an Ice Lake: "Tiled products on AVX2"), with one copy of the weights.
 NATIVE_FP32_DENSE_ABOVE = 4
 
 
