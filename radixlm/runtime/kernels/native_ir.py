@@ -49,6 +49,9 @@ PREFILL_ISAS = ("avx512",)
 # bytes of int8 activations a stretch of rows takes: a thread's L2 keeps them; on AVX2, whose
 # tiles read them twice (a pass per half tile), its L1
 TILE_CACHE = {"avx512": 196_608, "avx2": 24_576}
+# passes of a tile's block loop, each over TILE_N / passes output rows: AVX2's 16 vector registers
+# hold the sums of half a tile
+TILE_HALVES = {"avx512": 1, "avx2": 2}
 
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY, OMP_PARTS = 0, 8, 9, 10
@@ -440,7 +443,7 @@ def _tile(bits: int, act: str, isa: str) -> str:
     AVX2 (16 vector registers) a tile's block loop runs twice, for each half of its output rows,
     so that its sums stay in registers."""
     tb = TILE_BYTES[bits]
-    halves = 2 if isa == "avx2" else 1
+    halves = TILE_HALVES[isa]
     out = [f"define void @tile_{act}_{bits}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %t0, i64 %t1, i64 %m, "
            "i64 %nch, i64 %n) {",
            "entry:",
@@ -478,7 +481,7 @@ def _tile(bits: int, act: str, isa: str) -> str:
                 f"  %yo{j} = add i64 %yr{j}, %tcol"]
     out.append("  br label %blk0")
     for h in range(halves):
-        out += _tile_pass(bits, act, isa, h, halves, "mt" if h == 0 else f"stored{h - 1}")
+        out += _tile_pass(bits, act, isa, h, "mt" if h == 0 else f"stored{h - 1}")
         out.append(f"  br label %{'mtnext' if h == halves - 1 else f'blk{h + 1}'}")
     out += ["mtnext:",
             f"  %r.next = add i64 %r, {TILE_M}",
@@ -497,11 +500,11 @@ def _tile(bits: int, act: str, isa: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def _tile_pass(bits: int, act: str, isa: str, h: int, halves: int, before: str) -> list[str]:
+def _tile_pass(bits: int, act: str, isa: str, h: int, before: str) -> list[str]:
     """One pass of a tile's block loop (label blk{h}, entered from `before`) over output rows
-    h * L .. h * L + L - 1 (L = TILE_N / halves lanes), then their stores (ending in block
+    h * L .. h * L + L - 1 (L = TILE_N / TILE_HALVES[isa] lanes), then their stores (ending in block
     stored{h}): TILE_M rows' sums of the blocks' integer dots times the blocks' scales."""
-    lanes = TILE_N // halves
+    lanes = TILE_N // TILE_HALVES[isa]
     v = f"<{lanes} x float>"
     scales = TILE_BYTES[bits] - 4 * TILE_N
     out = [f"blk{h}:",
