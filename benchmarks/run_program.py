@@ -128,7 +128,8 @@ def flush(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b"{}", method="POST"), timeout=30)
 
 
-STEP_STATS = ("steps", "prompt_steps", "graph_steps", "rows_fed", "tokens_fed")
+STEP_STATS = ("steps", "prompt_steps", "graph_steps", "rows_fed", "tokens_fed",
+              "program_returns", "program_returns_late", "program_return_steps")
 
 
 def step_stats(url: str) -> dict[str, float]:
@@ -273,7 +274,9 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
                   + ", ".join(f"{row[f'p99 {name}']:.2f}" for name in WORKLOADS) + steady
                   + f"  steps {steps['steps']} ({steps['prompt_steps']} with a prompt, {steps['graph_steps']} as a CUDA graph, "
                   f"{steps['rows_fed'] / max(steps['steps'], 1):.1f} rows, "
-                  f"{steps['tokens_fed'] / max(steps['steps'], 1):.1f} tokens a step)", flush=True)
+                  f"{steps['tokens_fed'] / max(steps['steps'], 1):.1f} tokens a step)  program round trips "
+                  f"{steps['program_returns']} ({steps['program_returns_late']} past the gap, "
+                  f"{steps['program_return_steps'] / max(steps['program_returns'], 1):.1f} steps each)", flush=True)
             phases = {k[2:]: v for k, v in steps.items() if k.startswith("s ")}
             if phases:
                 print(f"  ms a step ({mode}): " + "  ".join(f"{k} {v / max(steps['steps'], 1) * 1e3:.2f}"

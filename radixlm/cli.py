@@ -28,8 +28,8 @@ HELP = {
     "quant_dense_above": "quantized layers multiply a dense weight copy at steps of more rows (default: 1 under auto)",
     "program_active_cap": "program scheduling: new programs start only while fewer started ones are under way "
                           "(default 0: twice --max-running-requests)",
-    "program_gap_steps": "program scheduling: steps a program between two of its requests still counts as under "
-                         "way (default: 8)",
+    "program_gap_steps": "program scheduling: steps a client-named program between two of its requests still "
+                         "counts as under way (default: 8; a /run_program program counts until it ends)",
 }
 
 

@@ -101,9 +101,10 @@ class SchedulerConfig:
     # turned most waiting programs urgent within a few steps, so the admission order fell back to
     # arrival order; measured in a closed loop of 64 programs (docs/benchmarks.md).
     program_fairness: int = 2048
-    # New programs start only while fewer than this many started programs are under way (with a
-    # request waiting or running, or between two of their requests for up to program_gap_steps
-    # steps: the next one is on its way from the server); 0: twice max_running_requests. Without
+    # New programs start only while fewer than this many started programs are under way (run by
+    # the server and not ended; or, a client's, with a request waiting or running or between two of
+    # its requests for up to program_gap_steps steps: the next one may be on its way); 0: twice
+    # max_running_requests. Without
     # it each step a program spent between two requests let a new program start, and a closed loop of 64
     # programs on 16 rows ran up to 41 started programs at once, oldest first, so the younger ones
     # waited hundreds of steps between their requests. Twice the rows: at one program a row some

@@ -22,11 +22,15 @@ class ProgramTag:
 
     ``group`` names a fork: each branch's first request carries it, so siblings are admitted
     together. The fork's prefix prefill carries ``hold`` = its number of branches: its KV stays
-    locked in the cache until that many branch requests were admitted (or the program ended)."""
+    locked in the cache until that many branch requests were admitted (or the program ended).
+    ``managed``: the server runs the program (/run_program) and says when it ends, so between two
+    of its requests it stays under way however long the next one takes; a client's program (never
+    managed: nothing tells the server it ended) stays under way for ``program_gap_steps`` steps."""
 
     id: str
     group: str | None = None
     hold: int = 0
+    managed: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not 0 < len(self.id) <= MAX_PROGRAM_ID:

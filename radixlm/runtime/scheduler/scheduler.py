@@ -11,7 +11,8 @@ Program-aware admission (config.program_scheduling): requests carry the program 
 (`ProgramTag`). Requests of programs already started go before those that start new programs,
 oldest program first, within a fairness bound (`program_fairness`); new programs start in the
 order they came, and only while fewer than `program_active_cap` started programs are under way
-(a program between two of its requests counts for `program_gap_steps` steps); a fork's siblings
+(a program the server runs counts until it ends, a client's between two of its requests for
+`program_gap_steps` steps); a fork's siblings
 are admitted back to back; a fork's prefix prefill keeps its KV locked until its branches are
 admitted, so it is computed once even when the cache is under pressure.
 """
@@ -28,7 +29,7 @@ from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.radix_cache import PrefixCache, SlotAllocator
 from radixlm.runtime.scheduler.policy import POLICIES
-from radixlm.runtime.scheduler.request import Request, Status
+from radixlm.runtime.scheduler.request import ProgramTag, Request, Status
 
 # A waiting request whose next DEDUP_MIN uncached tokens equal those of a request being
 # prefilled right now waits one step, then reads them from the cache instead of recomputing.
@@ -63,6 +64,7 @@ class _Program:
     started: int  # admission order of its first request
     holds: dict[str, _Hold] = field(default_factory=dict)
     idle_since: int | None = None  # the step its last request in flight ended (None: never yet)
+    managed: bool = False  # the server runs it and ends it (end_program): under way until then
 
 
 class Scheduler:
@@ -95,6 +97,9 @@ class Scheduler:
         self._programs_started = 0
         self._live: dict[str, int] = {}  # program id -> its requests waiting or running
         self._steps = 0
+        # a started program's next request after it had none in flight: how many came, how many
+        # after program_gap_steps, and the steps they took in all (how long a round trip takes)
+        self.program_returns = self.program_returns_late = self.program_return_steps = 0
 
     # -- requests in and out -------------------------------------------------------------
     def arrive(self, req: Request) -> None:
@@ -112,7 +117,10 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
         if req.program is not None and self.config.program_scheduling:
-            self._live[req.program.id] = self._live.get(req.program.id, 0) + 1
+            pid = req.program.id
+            if pid not in self._live:
+                self._returned(pid)
+            self._live[pid] = self._live.get(pid, 0) + 1
 
     def validate(self, req: Request) -> None:
         """Raise ValueError when req can never run here (empty, or longer than context or pool)."""
@@ -293,7 +301,7 @@ class Scheduler:
             return
         if not self.cache.shares_prefixes:
             return
-        prog = self._started(tag.id)
+        prog = self._started(tag)
         match = self.cache.match_prefix(req.prompt_ids)
         if not match.slots:
             return
@@ -314,17 +322,29 @@ class Scheduler:
         if prog is not None:
             prog.idle_since = self._steps
 
+    def _returned(self, program_id: str) -> None:
+        """A started program's request came while it had none in flight: count the round trip."""
+        prog = self.programs.get(program_id)
+        if prog is None or prog.idle_since is None:
+            return
+        steps = self._steps - prog.idle_since
+        self.program_returns += 1
+        self.program_returns_late += steps > self.config.program_gap_steps
+        self.program_return_steps += steps
+
     def _active_programs(self) -> int:
-        """Started programs with a request waiting or running, or between two of their requests
-        for at most program_gap_steps steps (its next request is on its way)."""
+        """Started programs with a request waiting or running, run by the server and not yet
+        ended, or between two of their requests for at most program_gap_steps steps (the next
+        one is on its way)."""
         gap = self.config.program_gap_steps
         return sum(1 for pid, p in self.programs.items()
-                   if pid in self._live or (p.idle_since is not None and self._steps - p.idle_since <= gap))
+                   if pid in self._live or p.managed
+                   or (p.idle_since is not None and self._steps - p.idle_since <= gap))
 
-    def _started(self, program_id: str) -> _Program:
-        prog = self.programs.get(program_id)
+    def _started(self, tag: ProgramTag) -> _Program:
+        prog = self.programs.get(tag.id)
         if prog is None:
-            prog = self.programs[program_id] = _Program(self._programs_started)
+            prog = self.programs[tag.id] = _Program(self._programs_started, managed=tag.managed)
             self._programs_started += 1
             while len(self.programs) > PROGRAMS_PER_ROW * self.config.max_running_requests:
                 self.end_program(next(iter(self.programs)))
@@ -336,7 +356,7 @@ class Scheduler:
         tag = req.program
         if tag is None or not self.config.program_scheduling:
             return
-        prog = self._started(tag.id)
+        prog = self._started(tag)
         if tag.group is None or tag.hold:
             return
         hold = prog.holds.get(tag.group)

@@ -104,8 +104,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
             raise
 
 
-def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int) -> GenerateSpec:
-    """Validate a /generate body into engine jobs; every problem is a 400 naming its field."""
+def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int,
+                   program: ProgramTag | None = None) -> GenerateSpec:
+    """Validate a /generate body into engine jobs; every problem is a 400 naming its field.
+    ``program``: the tag of a program the server runs (then the body has no ``program`` field)."""
     check_keys(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_UNSUPPORTED)
     for key in ("text", "input_ids"):
         if isinstance(body.get(key), list) and body[key] and isinstance(body[key][0], (str, list)):
@@ -117,7 +119,8 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max
     start = _per_prompt(body, "logprob_start_len", b)
     top = _per_prompt(body, "top_logprobs_num", b)
     rids = _rids(body, b)
-    program = parse_program_tag(body.get("program"))
+    if program is None:
+        program = parse_program_tag(body.get("program"))
     specs: list[PromptRequest] = []
     for i, ids in enumerate(prompts):
         try:

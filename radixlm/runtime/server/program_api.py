@@ -239,19 +239,21 @@ class ServerConnection(Connection):
         return (ServerConnection(self.ctx, self.program_id, group, branches),
                 [ServerConnection(self.ctx, self.program_id, group) for _ in range(branches)])
 
-    def _tag(self) -> dict[str, Any]:
-        """This request's ``program`` field; a fork's group goes on its connection's first request only."""
-        tag = ProgramTag(self.program_id, self._group, self._hold)
+    def _tag(self) -> ProgramTag:
+        """This request's program tag (the server runs the program, so it is managed); a fork's
+        group goes on its connection's first request only."""
+        tag = ProgramTag(self.program_id, self._group, self._hold, managed=True)
         self._group, self._hold = None, 0
-        return {"id": tag.id, "group": tag.group, "hold": tag.hold}
+        return tag
 
     async def _spec(self, body: dict[str, Any]) -> GenerateSpec:
         tok = self.ctx.tokenizer
         assert tok is not None  # the handler checked the server is ready
         s = self.ctx.settings
         self.ctx.metrics.program_round_trips_saved.inc()  # a client-driven program would have sent this over HTTP
-        body = {**body, "program": self._tag()}
-        return await asyncio.to_thread(parse_generate, body, tok, s.max_top_logprobs, s.max_queued_requests)
+        body = {k: v for k, v in body.items() if k != "program"}
+        return await asyncio.to_thread(parse_generate, body, tok, s.max_top_logprobs, s.max_queued_requests,
+                                       self._tag())
 
     @contextlib.asynccontextmanager
     async def _events(self, spec: GenerateSpec) -> AsyncIterator[Any]:

@@ -227,6 +227,49 @@ def test_a_program_between_two_requests_keeps_its_place_for_program_gap_steps():
         sim.check_idle()
 
 
+def test_a_program_the_server_runs_stays_under_way_until_it_ends():
+    """cap 1: A is run by the server (managed), so it keeps its place between two requests however
+    long the next one takes; B starts only once A has ended. A client's program (the test above)
+    loses it after program_gap_steps."""
+    sim = psim(1000, policy="fcfs", max_running_requests=3, program_active_cap=1, program_gap_steps=2)
+    sim.add("x", [9, 9, 9], 30)  # no program: keeps the server busy
+    sim.add("a1", [1, 2, 3], 1, program=ProgramTag("A", managed=True))
+    sim.step()
+    sim.add("b1", [4, 5, 6], 1, program=tag("B"))
+    for _ in range(10):  # far past the gap
+        sim.step()
+    assert "b1" not in admission_order(sim)
+    sim.add("a2", [1, 2, 3, 7], 1, program=ProgramTag("A", managed=True))
+    sim.step()
+    sim.step()
+    assert admission_order(sim) == ["x", "a1", "a2"]
+    sim.sched.end_program("A")
+    sim.run()
+    assert admission_order(sim) == ["x", "a1", "a2", "b1"]
+    sim.sched.end_program("B")
+    sim.check_idle()
+
+
+def test_a_programs_round_trips_are_counted():
+    """Each request of a started program that comes while it has none in flight is a round trip:
+    counted, with its steps, and as late when it took longer than program_gap_steps."""
+    sim = psim(1000, policy="fcfs", max_running_requests=3, program_gap_steps=2)
+    sim.add("x", [9, 9, 9], 30)
+    sim.add("a1", [1, 2, 3], 1, program=tag("A"))
+    sim.step()  # a1 ends in its first step
+    sim.add("a2", [1, 2, 3, 4], 1, program=tag("A"))  # back at once
+    sim.step()
+    for _ in range(5):
+        sim.step()
+    sim.add("a3", [1, 2, 3, 4, 5], 1, program=tag("A"))  # 5 steps later: late
+    sim.run()
+    s = sim.sched
+    assert (s.program_returns, s.program_returns_late) == (2, 1)
+    assert s.program_return_steps == 0 + 5
+    sim.sched.end_program("A")
+    sim.check_idle()
+
+
 def test_the_cap_never_leaves_the_server_idle():
     """With nothing running, a new program starts even while the cap counts others as between
     two requests (a client that names its programs may never send their next one)."""

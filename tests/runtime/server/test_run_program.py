@@ -278,7 +278,8 @@ def test_program_metrics_move_and_nothing_stays_held(server):
              "radixlm_program_round_trips_saved_total")
     before = [server.metric(names[0], 'outcome="ok"'), server.metric(names[1]), server.metric(names[2])]
     errors = server.metric(names[0], 'outcome="error"')
-    known = server.server_info()["stats"]["programs_scheduled"]  # (client-driven runs of earlier tests)
+    was = server.server_info()["stats"]
+    known = was["programs_scheduled"]  # (client-driven runs of earlier tests)
     state = tree.run(0, backend=RuntimeEndpoint(server.url, programs="server"), temperature=0)
     assert state.error() is None
     after = [server.metric(names[0], 'outcome="ok"'), server.metric(names[1]), server.metric(names[2])]
@@ -291,6 +292,10 @@ def test_program_metrics_move_and_nothing_stays_held(server):
     # the engine forgot the programs: no fork prefix stays locked for them
     stats = server.server_info()["stats"]
     assert stats["programs_scheduled"] == known and stats["program_held_tokens"] == 0
+    # the tree's levels came one after another: a round trip each at least (counted in steps,
+    # which do not pass while the engine waits for the next request alone)
+    assert stats["program_returns"] - was["program_returns"] >= 2
+    assert stats["program_returns"] >= stats["program_returns_late"] >= 0 and stats["program_return_steps"] >= 0
 
 
 @pytest.mark.parametrize("program", [
