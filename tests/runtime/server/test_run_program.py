@@ -300,7 +300,7 @@ def test_program_metrics_move_and_nothing_stays_held(server):
 
 @pytest.mark.parametrize("program", [
     "p", {"group": "g"}, {"id": ""}, {"id": "p", "hold": -1}, {"id": "p", "hold": 2}, {"id": "p", "x": 1},
-    {"id": "p", "group": "g", "hold": "3"},
+    {"id": "p", "group": "g", "hold": "3"}, {"id": "p", "managed": True},  # (only the server's own programs are)
 ])
 def test_bad_program_fields_on_generate_are_400s(server, program):
     status, out = server.post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1},
