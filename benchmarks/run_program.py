@@ -294,7 +294,7 @@ def main() -> None:
     ap.add_argument("--url", help="a running radixlm server (default: start one)")
     ap.add_argument("--quick", action="store_true", help="8 concurrent programs instead of 32, one repeat")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", help="the started server's dtype (float32 is fastest on CPU)")
+    ap.add_argument("--dtype", default="auto", help="the started server's dtype (auto: what `radixlm serve` picks)")
     ap.add_argument("--only", help="run only the workloads whose name contains this text")
     ap.add_argument("--sizes", help="comma-separated numbers of concurrent programs (default 1,32; quick 1,8)")
     ap.add_argument("--out", default=None, help="default benchmarks/results/run_program.json "

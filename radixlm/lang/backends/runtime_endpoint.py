@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -32,6 +33,9 @@ from radixlm.runtime.tokenizer_loader import load_tokenizer
 
 ProgramMode = Literal["auto", "server", "client"]
 PROGRAM_MODES: tuple[ProgramMode, ...] = ("auto", "server", "client")
+# A 429 (the server is at capacity) is retried after 0.25 s, then twice as long each time, at most 8 s.
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 8.0
 
 
 class BackendError(RuntimeError):
@@ -51,6 +55,10 @@ class RuntimeEndpoint(Backend):
     step by step over /generate. ``"server"`` forces the first (a program without a graph is a
     TraceError), ``"client"`` the second.
 
+    A request the server refuses with 429 (at capacity) is sent again up to ``max_retries``
+    times, after waits of 0.25 s doubling to 8 s, as OpenAI's client does: a program waits for
+    room rather than failing halfway.
+
     Role markers: ``chat_template`` when given; else the server's own (``role_markers`` in
     ``/get_model_info``, probed from its tokenizer exactly as the in-process Engine backend
     does); else, for a server that does not report them (SGLang), its tokenizer when
@@ -58,10 +66,13 @@ class RuntimeEndpoint(Backend):
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, chat_template: ChatTemplate | None = None,
-                 timeout: float = 600.0, programs: ProgramMode = "auto") -> None:
+                 timeout: float = 600.0, programs: ProgramMode = "auto", max_retries: int = 6) -> None:
         if programs not in PROGRAM_MODES:
             raise ValueError(f"programs must be one of {', '.join(PROGRAM_MODES)}, got {programs!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         self.programs = programs
+        self.max_retries = max_retries
         self.no_run_program = False  # set when the server answered 404 to /run_program
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -143,6 +154,17 @@ class _EndpointConnection(GraphConnection):
     def _body(self, body: dict[str, Any]) -> dict[str, Any]:
         return body if self.program_id is None else {**body, "program": {"id": self.program_id}}
 
+    async def _send(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST ``body`` to ``path``, sent again after a 429 (``max_retries`` times); the response
+        (the caller closes it): any other status, or the last 429."""
+        for k in range(self.endpoint.max_retries + 1):
+            resp = await self.session.post(path, json=body)
+            if resp.status != 429 or k == self.endpoint.max_retries:
+                return resp
+            resp.release()
+            await asyncio.sleep(min(RETRY_FIRST_S * 2**k, RETRY_MAX_S))
+        raise AssertionError("unreachable")
+
     async def run_graph(self, graph: Graph, core: StateCore, ctx: RunContext) -> bool:
         """POST /run_program: the graph runs next to the engine; its result fills ``core``."""
         mode = self.endpoint.programs
@@ -156,7 +178,7 @@ class _EndpointConnection(GraphConnection):
             return False
         body = {"graph": graph.model_dump(mode="json"), "stream": ctx.stream,
                 "sampling_defaults": ctx.defaults.to_native()}
-        async with self.session.post("/run_program", json=body) as resp:
+        async with await self._send("/run_program", body) as resp:
             if resp.status == 404 and mode == "auto" and "program_failed" not in await resp.text():
                 self.endpoint.no_run_program = True  # a server without /run_program (SGLang): step by step
                 return False
@@ -179,7 +201,7 @@ class _EndpointConnection(GraphConnection):
         return True
 
     async def _post(self, body: dict[str, Any]) -> Any:
-        async with self.session.post("/generate", json=self._body(body)) as resp:
+        async with await self._send("/generate", self._body(body)) as resp:
             text = await resp.text()
             if resp.status != 200:
                 raise BackendError(resp.status, _error_message(text))
@@ -191,7 +213,7 @@ class _EndpointConnection(GraphConnection):
         return [GenOutput(o["text"], o["meta_info"]) for o in outs]
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
-        async with self.session.post("/generate", json=self._body({**req.native_body(), "stream": True})) as resp:
+        async with await self._send("/generate", self._body({**req.native_body(), "stream": True})) as resp:
             if resp.status != 200:
                 raise BackendError(resp.status, _error_message(await resp.text()))
             sent = 0

@@ -65,13 +65,8 @@ class Dispatcher:
         taken = self._taken([j.request.rid for j in jobs], {j.user_rid for j in jobs})
         if taken is not None:
             raise ApiError(400, f"request id {taken!r} is already in use; give each request its own rid", "rid")
-        if admit and len(self._active) + len(jobs) > self.max_queued:
-            raise ApiError(
-                429,
-                f"the server is at capacity ({len(self._active)} requests in flight, limit "
-                f"{self.max_queued}); retry later",
-                code="too_many_requests",
-            )
+        if admit:
+            self.check_capacity(len(jobs))
         for j in jobs:
             self._active[j.request.rid] = j.user_rid
         # The hand-off never blocks the engine's output fan-out: outputs queue here, and a job
@@ -89,6 +84,16 @@ class Dispatcher:
             finally:  # also when the handler is cancelled meanwhile (its connection closed)
                 for j in jobs:
                     self._active.pop(j.request.rid, None)
+
+    def check_capacity(self, n: int) -> None:
+        """A 429 when ``n`` more requests would pass the limit of requests in flight."""
+        if len(self._active) + n > self.max_queued:
+            raise ApiError(
+                429,
+                f"the server is at capacity ({len(self._active)} requests in flight, limit "
+                f"{self.max_queued}); retry later",
+                code="too_many_requests",
+            )
 
     def _taken(self, rids: list[str], user_rids: set[str]) -> str | None:
         """A name the new jobs would share with one in flight (an engine rid or the rid its client

@@ -116,8 +116,9 @@ async def run_program(request: web.Request) -> web.StreamResponse:
     """Run one request graph; its variables and meta info, or (stream) its text events then them."""
     ctx = request.app[CONTEXT]
     body = await read_json_object(request, ctx.settings.max_request_bytes)
-    tok, _ = ctx.require_ready()
+    tok, dispatcher = ctx.require_ready()
     spec = await asyncio.to_thread(parse_program, body, ctx.settings.programs)
+    dispatcher.check_capacity(1)  # a program is admitted as a whole: its requests are never refused later
     core = StateCore()
     link = SessionTurns(spec.session_id, core) if spec.session_id is not None else None
     program_id = f"program-{uuid.uuid4().hex}"
@@ -143,9 +144,9 @@ async def run_program(request: web.Request) -> web.StreamResponse:
         metrics.programs_finished.labels(outcome).inc()
         if outcome != "abort":
             metrics.program_latency.observe(time.perf_counter() - start)
-        dispatcher = ctx.dispatcher
-        if dispatcher is not None:  # the scheduler keeps nothing more for it
-            await dispatcher.client.end_program(program_id)
+        live = ctx.dispatcher  # (a new one if the engine was restarted meanwhile)
+        if live is not None:  # the scheduler keeps nothing more for it
+            await live.client.end_program(program_id)
 
 
 async def _run(graph: Graph, core: StateCore, ctx: RunContext, link: SessionTurns | None) -> None:
@@ -259,7 +260,9 @@ class ServerConnection(Connection):
     async def _events(self, spec: GenerateSpec) -> AsyncIterator[Any]:
         dispatcher = self.ctx.dispatcher
         assert dispatcher is not None
-        async with dispatcher.run(spec.jobs, time.perf_counter()) as events:
+        # (admitted with the program: a 429 halfway would throw its work away, and its requests
+        # are bounded by the program's limits)
+        async with dispatcher.run(spec.jobs, time.perf_counter(), admit=False) as events:
             yield events
 
     async def _outputs(self, body: dict[str, Any]) -> list[GenOutput]:

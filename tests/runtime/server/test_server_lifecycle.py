@@ -10,10 +10,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 import aiohttp
 import pytest
 from server_harness import Server, free_port, next_event, process_running, read_sse, start_server
+
+import radixlm as rl
+from radixlm.lang.backends.runtime_endpoint import BackendError, RuntimeEndpoint
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +63,62 @@ def test_backpressure_429(server: Server):
     server.wait_until("the dropped request to end", lambda i: i["requests_in_flight"] == 0
                       and i["stats"]["running_requests"] == 0)
     assert server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}})[0] == 200
+
+
+@rl.function
+def forked(s):
+    s += "List two fruits:" + rl.gen("first", max_tokens=2, ignore_eos=True)
+    f = s.fork(2)
+    for i, b in enumerate(f):
+        b += f"\n{i}." + rl.gen("fruit", max_tokens=2, ignore_eos=True)
+    f.join()
+
+
+def test_a_program_is_admitted_whole(server: Server):
+    """One request in flight at most, yet a program whose fork runs two at once runs to its end:
+    it is admitted as a whole, and its own requests are never refused. While the server is at
+    capacity a new program gets the 429 at once, before any of its work."""
+    remote = RuntimeEndpoint(server.url, api_key=KEY, programs="server")
+    state = forked.run(backend=remote, temperature=0)
+    assert state.error() is None and len(state["fruit"]) == 2
+
+    async def run() -> tuple[int, dict]:
+        async with aiohttp.ClientSession(headers=server.headers) as s:
+            async with s.post(server.url + "/generate", json=LONG) as first:
+                await next_event(first)  # the one allowed request is in flight
+                body = {"graph": json.loads(forked.trace().to_json())}
+                async with s.post(server.url + "/run_program", json=body) as r:
+                    return r.status, await r.json()
+
+    status, got = asyncio.run(run())
+    assert status == 429 and "capacity" in got["error"]["message"]
+    server.wait_until("the dropped request to end", lambda i: i["requests_in_flight"] == 0)
+
+
+def test_the_dsl_client_waits_out_a_429(server: Server):
+    """A program run step by step meets a full server: its first request is refused with 429 and
+    sent again until the long request in flight is done (max_retries 0: it fails with the 429)."""
+    body = {**LONG, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    for retries in (0, 6):
+        client = RuntimeEndpoint(server.url, api_key=KEY, programs="client", max_retries=retries)
+
+        async def run(client: RuntimeEndpoint = client) -> Any:
+            async with aiohttp.ClientSession(headers=server.headers) as s:
+                async with s.post(server.url + "/generate", json=body) as first:
+                    await next_event(first)  # the one allowed request is in flight
+                    try:
+                        return await asyncio.to_thread(forked.run, backend=client, temperature=0)
+                    except BackendError as e:
+                        return e
+                    finally:
+                        await read_sse(first)
+
+        got = asyncio.run(run())
+        if retries:
+            assert not isinstance(got, BaseException) and got.error() is None and len(got["fruit"]) == 2
+        else:
+            assert isinstance(got, BackendError) and got.status == 429
+        server.wait_until("the requests to end", lambda i: i["requests_in_flight"] == 0)
 
 
 def test_sigterm_drains_in_flight_request(server: Server):
