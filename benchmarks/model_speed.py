@@ -178,10 +178,17 @@ def main() -> None:
             "cpu_flags": [f for f in flag_line if f.startswith(("avx", "amx", "fma"))], "threads": threads,
             "torch": torch.__version__, "transformers": transformers.__version__, "loadavg_1_5_15": loads,
             "formats": formats, "reps": args.reps}
+    # what the kernels were told to use (a run that emulates the AVX2-only kind on an AVX-512 CPU)
+    meta["isa_env"] = {k: os.environ[k] for k in ("RADIXLM_NATIVE_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+                       if k in os.environ}
+    from radixlm.runtime.kernels import native
+
+    meta["radixlm_native_isa"] = native.isa() if native.available() else None
     try:
         import llama_cpp as _lc
 
         meta["llama_cpp_python"] = _lc.__version__
+        meta["llama_cpp_system_info"] = _lc.llama_print_system_info().decode()
     except ImportError:
         pass
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
