@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from dsl_programs import forked
 from server_harness import read_sse, start_server
 
 import radixlm as rl
@@ -93,15 +94,6 @@ def test_a_program_that_reads_values_falls_back_or_is_refused_when_forced(server
 
 
 # -- streaming ---------------------------------------------------------------------------------
-@rl.function
-def forked(s):
-    s += "List two fruits:" + rl.gen("first", max_tokens=4, ignore_eos=True)
-    f = s.fork(2)
-    for i, b in enumerate(f):
-        b += f"\n{i}." + rl.gen("fruit", max_tokens=3, ignore_eos=True)
-    f.join()
-    s += "\nDone:" + rl.select("done", choices=[" yes", " no"])
-
 
 def test_stream_sends_each_states_text_in_order_then_the_result(server):
     async def go() -> list[Any]:

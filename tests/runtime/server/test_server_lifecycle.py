@@ -14,9 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from dsl_programs import forked
 from server_harness import Server, free_port, next_event, process_running, read_sse, start_server
 
-import radixlm as rl
 from radixlm.lang.backends.runtime_endpoint import BackendError, RuntimeEndpoint
 
 pytestmark = pytest.mark.slow
@@ -65,28 +65,20 @@ def test_backpressure_429(server: Server):
     assert server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}})[0] == 200
 
 
-@rl.function
-def forked(s):
-    s += "List two fruits:" + rl.gen("first", max_tokens=2, ignore_eos=True)
-    f = s.fork(2)
-    for i, b in enumerate(f):
-        b += f"\n{i}." + rl.gen("fruit", max_tokens=2, ignore_eos=True)
-    f.join()
-
-
 def test_a_program_is_admitted_whole(server: Server):
     """One request in flight at most, yet a program whose fork runs two at once runs to its end:
     it is admitted as a whole, and its own requests are never refused. While the server is at
-    capacity a new program gets the 429 at once, before any of its work."""
+    capacity a new program gets the 429 at once, before any of its work. (No select: its one
+    request of several prompts is more than this server ever runs at once, a 400 either way.)"""
     remote = RuntimeEndpoint(server.url, api_key=KEY, programs="server")
-    state = forked.run(backend=remote, temperature=0)
+    state = forked.run(False, backend=remote, temperature=0)
     assert state.error() is None and len(state["fruit"]) == 2
 
     async def run() -> tuple[int, dict]:
         async with aiohttp.ClientSession(headers=server.headers) as s:
             async with s.post(server.url + "/generate", json=LONG) as first:
                 await next_event(first)  # the one allowed request is in flight
-                body = {"graph": json.loads(forked.trace().to_json())}
+                body = {"graph": json.loads(forked.trace(False).to_json())}
                 async with s.post(server.url + "/run_program", json=body) as r:
                     return r.status, await r.json()
 
@@ -107,7 +99,7 @@ def test_the_dsl_client_waits_out_a_429(server: Server):
                 async with s.post(server.url + "/generate", json=body) as first:
                     await next_event(first)  # the one allowed request is in flight
                     try:
-                        return await asyncio.to_thread(forked.run, backend=client, temperature=0)
+                        return await asyncio.to_thread(forked.run, False, backend=client, temperature=0)
                     except BackendError as e:
                         return e
                     finally:
