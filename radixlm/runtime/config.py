@@ -104,12 +104,13 @@ class SchedulerConfig:
     # New programs start only while fewer than this many started programs are under way (run by
     # the server and not ended; or, a client's, with a request waiting or running or between two of
     # its requests for up to program_gap_steps steps: the next one may be on its way); 0: twice
-    # max_running_requests. Without
-    # it each step a program spent between two requests let a new program start, and a closed loop of 64
-    # programs on 16 rows ran up to 41 started programs at once, oldest first, so the younger ones
-    # waited hundreds of steps between their requests. Twice the rows: at one program a row some
-    # rows stayed empty (the programs under way had nothing to run); 8 steps: on the GPU (~5 ms
-    # steps) a program's next request came too late for 2 (docs/benchmarks.md).
+    # max_running_requests. Without it each step a program spent between two requests let a new
+    # program start, and a closed loop of 64 programs on 16 rows ran up to 41 started programs at
+    # once, oldest first, so the younger ones waited hundreds of steps between their requests.
+    # Twice the rows: at one program a row some rows stayed empty (the programs under way had
+    # nothing to run). 8 steps: on the GPU a program's next request came too late for 2; a
+    # /run_program program's round trip took 3-7 steps on average and more than 8 for 9-20% of them,
+    # hence no gap for the programs the server runs (docs/benchmarks.md).
     program_active_cap: int = 0
     program_gap_steps: int = 8
 
