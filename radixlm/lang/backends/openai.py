@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from radixlm.lang.backends import retry
 from radixlm.lang.backends.base import (
     Backend,
     Connection,
@@ -35,11 +36,15 @@ _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 class OpenAI(Backend):
-    """Run programs on an OpenAI-compatible server (``base_url`` ends in /v1)."""
+    """Run programs on an OpenAI-compatible server (``base_url`` ends in /v1). A request refused
+    with 429 (rate limited, at capacity) is sent again (:mod:`retry`: its ``Retry-After``, else a
+    backoff; ``max_retries`` times, None: for as long as ``timeout`` allows)."""
 
     def __init__(self, model: str, base_url: str = "https://api.openai.com/v1", api_key: str | None = None,
-                 chat: bool = True, chat_template: ChatTemplate = FALLBACK, timeout: float = 600.0) -> None:
-        self.model, self.chat, self.timeout = model, chat, timeout
+                 chat: bool = True, chat_template: ChatTemplate = FALLBACK, timeout: float = 600.0,
+                 max_retries: int | None = None) -> None:
+        retry.check_max_retries(max_retries)
+        self.model, self.chat, self.timeout, self.max_retries = model, chat, timeout, max_retries
         self.base_url = base_url.rstrip("/") + "/"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._template = chat_template
@@ -61,8 +66,12 @@ class _OpenAIConnection(Connection):
         self.be, self.session = backend, session
         self.native_tools = backend.chat  # chat mode: a gen's tools go as `tools`, tool_choice required
 
+    async def _send(self, route: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST ``body`` to ``route``, sent again after a 429 (:mod:`retry`); the caller closes the response."""
+        return await retry.post(self.session, self.be.base_url + route, body, self.be.max_retries, self.be.timeout)
+
     async def _post(self, route: str, body: dict[str, Any]) -> Any:
-        async with self.session.post(self.be.base_url + route, json=body) as resp:
+        async with await self._send(route, body) as resp:
             text = await resp.text()
             if resp.status != 200:
                 raise BackendError(resp.status, _error_message(text))
@@ -105,7 +114,7 @@ class _OpenAIConnection(Connection):
 
     async def stream(self, req: GenRequest) -> AsyncIterator[StreamChunk]:
         route, body = self._body(req)
-        async with self.session.post(self.be.base_url + route, json={**body, "stream": True}) as resp:
+        async with await self._send(route, {**body, "stream": True}) as resp:
             if resp.status != 200:
                 raise BackendError(resp.status, _error_message(await resp.text()))
             finish = None

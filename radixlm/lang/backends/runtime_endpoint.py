@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
-import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -15,6 +13,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from radixlm.lang.backends import retry
 from radixlm.lang.backends.base import (
     Backend,
     Connection,
@@ -34,9 +33,6 @@ from radixlm.runtime.tokenizer_loader import load_tokenizer
 
 ProgramMode = Literal["auto", "server", "client"]
 PROGRAM_MODES: tuple[ProgramMode, ...] = ("auto", "server", "client")
-# A 429 (the server is at capacity) is retried after 0.25 s, then twice as long each time, at most 8 s.
-RETRY_FIRST_S = 0.25
-RETRY_MAX_S = 8.0
 
 
 class BackendError(RuntimeError):
@@ -56,9 +52,9 @@ class RuntimeEndpoint(Backend):
     step by step over /generate. ``"server"`` forces the first (a program without a graph is a
     TraceError), ``"client"`` the second.
 
-    A request the server refuses with 429 (at capacity) is sent again after waits of 0.25 s
-    doubling up to 8 s, as OpenAI's client does, ``max_retries`` times (None: for as long as
-    ``timeout`` allows): a program waits for room rather than failing halfway.
+    A request the server refuses with 429 (at capacity) is sent again (:mod:`retry`:
+    ``max_retries`` times, None: for as long as ``timeout`` allows), so a program waits for room
+    rather than failing halfway.
 
     Role markers: ``chat_template`` when given; else the server's own (``role_markers`` in
     ``/get_model_info``, probed from its tokenizer exactly as the in-process Engine backend
@@ -70,9 +66,7 @@ class RuntimeEndpoint(Backend):
                  timeout: float = 600.0, programs: ProgramMode = "auto", max_retries: int | None = None) -> None:
         if programs not in PROGRAM_MODES:
             raise ValueError(f"programs must be one of {', '.join(PROGRAM_MODES)}, got {programs!r}")
-        if max_retries is not None and (isinstance(max_retries, bool) or not isinstance(max_retries, int)
-                                        or max_retries < 0):
-            raise ValueError(f"max_retries must be None or an integer >= 0, got {max_retries!r}")
+        retry.check_max_retries(max_retries)
         self.programs = programs
         self.max_retries = max_retries
         self.no_run_program = False  # set when the server answered 404 to /run_program
@@ -157,19 +151,8 @@ class _EndpointConnection(GraphConnection):
         return body if self.program_id is None else {**body, "program": {"id": self.program_id}}
 
     async def _send(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """POST ``body`` to ``path``, sent again after a 429 (``max_retries`` times, or while the
-        endpoint's ``timeout`` allows); the response (the caller closes it): any other status, or
-        the last 429."""
-        retries, give_up = self.endpoint.max_retries, time.monotonic() + self.endpoint.timeout
-        k = 0
-        while True:
-            resp = await self.session.post(path, json=body)
-            wait = min(RETRY_FIRST_S * 2**k, RETRY_MAX_S)
-            if resp.status != 429 or k == retries or (retries is None and time.monotonic() + wait > give_up):
-                return resp
-            resp.release()
-            await asyncio.sleep(wait)
-            k += 1
+        """POST ``body`` to ``path``, sent again after a 429 (:mod:`retry`); the caller closes the response."""
+        return await retry.post(self.session, path, body, self.endpoint.max_retries, self.endpoint.timeout)
 
     async def run_graph(self, graph: Graph, core: StateCore, ctx: RunContext) -> bool:
         """POST /run_program: the graph runs next to the engine; its result fills ``core``."""

@@ -17,6 +17,7 @@ import pytest
 from dsl_programs import forked
 from server_harness import Server, free_port, next_event, process_running, read_sse, start_server
 
+from radixlm.lang.backends.openai import OpenAI
 from radixlm.lang.backends.runtime_endpoint import BackendError, RuntimeEndpoint
 
 pytestmark = pytest.mark.slow
@@ -87,14 +88,18 @@ def test_a_program_is_admitted_whole(server: Server):
     server.wait_until("the dropped request to end", lambda i: i["requests_in_flight"] == 0)
 
 
-def test_the_dsl_client_waits_out_a_429(server: Server):
-    """A program run step by step meets a full server: its first request is refused with 429 and
-    sent again until the long request in flight is done (max_retries 0: it fails with the 429)."""
+@pytest.mark.parametrize("backend", ["native", "openai"])
+def test_the_dsl_client_waits_out_a_429(server: Server, backend: str):
+    """A program run step by step (over /generate, or the OpenAI API) meets a full server: its first
+    request is refused with 429 and sent again until the long request in flight is done
+    (max_retries 0: it fails with the 429)."""
     body = {**LONG, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
     for retries in (0, None):  # (None, the default: as long as the timeout allows)
-        client = RuntimeEndpoint(server.url, api_key=KEY, programs="client", max_retries=retries)
+        client = (RuntimeEndpoint(server.url, api_key=KEY, programs="client", max_retries=retries)
+                  if backend == "native" else
+                  OpenAI("smollm2", base_url=server.url + "/v1", api_key=KEY, chat=False, max_retries=retries))
 
-        async def run(client: RuntimeEndpoint = client) -> Any:
+        async def run(client: Any = client) -> Any:
             async with aiohttp.ClientSession(headers=server.headers) as s:
                 async with s.post(server.url + "/generate", json=body) as first:
                     await next_event(first)  # the one allowed request is in flight
