@@ -29,8 +29,9 @@ for step in "$@"; do
     # A closed loop: 64 clients, each sending its next program as soon as its last one answered
     # (64 programs in flight until 256 were sent), into servers capped at 16 running requests.
     # CLOSED_ARGS: more server flags; CLOSED_TAG: a suffix for the result files.
-    # CLOSED_GPUS=0,1 (a two-GPU machine): each server on a GPU of its own.
-    closed) python3 benchmarks/run_program.py --scheduling --programs 256 --concurrency 64 --rounds ${CLOSED_ROUNDS:-3} \
+    # CLOSED_GPUS=0,1 (a two-GPU machine): each server on a GPU of its own. CLOSED_PROGRAMS: programs
+    # a round (256; more make the p99 steadier: 256 programs' p99 is their third-worst).
+    closed) python3 benchmarks/run_program.py --scheduling --programs ${CLOSED_PROGRAMS:-256} --concurrency 64 --rounds ${CLOSED_ROUNDS:-3} \
               ${CLOSED_GPUS:+--server-gpus "$CLOSED_GPUS"} \
               --dtype bfloat16 --server-args "$SERVER --max-running-requests 16 --max-queued-requests 100000 ${CLOSED_ARGS:-}" \
               --out "$OUT/program_closed_loop_gpu${CLOSED_TAG:-}.json" 2>&1 | tee "$OUT/closed${CLOSED_TAG:-}.log" ;;

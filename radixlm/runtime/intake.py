@@ -31,6 +31,9 @@ class Submission:
     top_logprobs_num: int = 0
     session: SessionParams | None = None
     program: ProgramTag | None = None  # the program it belongs to (program-aware scheduling)
+    # False: its caller reads only the finished output, so an engine process sends that alone
+    # (radixlm.runtime.server.held_outputs); the in-process Engine ignores it
+    stream: bool = True
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from radixlm.runtime.engine_core import RequestOutput
 from radixlm.runtime.intake import PromptRequest, Submission, submissions
@@ -54,21 +57,28 @@ class Dispatcher:
         self.max_queued = max_queued
         self.max_pending = max_pending  # outputs one engine request may have waiting for the handler
         self._active: dict[str, str] = {}  # engine rid -> user rid
+        self._users: Counter[str] = Counter()  # user rid -> its engine requests in flight
 
     @property
     def num_active(self) -> int:
         return len(self._active)
 
     @contextlib.asynccontextmanager
-    async def run(self, jobs: list[Job], arrival: float, admit: bool = True) -> AsyncIterator[AsyncIterator[Event]]:
-        """Submit `jobs` and yield their merged events; on exit, abort whatever has not finished."""
+    async def run(self, jobs: list[Job], arrival: float, admit: bool = True,
+                  stream: bool = True) -> AsyncIterator[AsyncIterator[Event]]:
+        """Submit `jobs` and yield their merged events; on exit, abort whatever has not finished.
+        ``stream`` False: the consumer reads only each job's finished output (its text and ids
+        whole), which is then the job's one event."""
         taken = self._taken([j.request.rid for j in jobs], {j.user_rid for j in jobs})
         if taken is not None:
             raise ApiError(400, f"request id {taken!r} is already in use; give each request its own rid", "rid")
         if admit:
             self.check_capacity(len(jobs))
+        if not stream:
+            jobs = [dataclasses.replace(j, request=dataclasses.replace(j.request, stream=False)) for j in jobs]
         for j in jobs:
             self._active[j.request.rid] = j.user_rid
+            self._users[j.user_rid] += 1
         # The hand-off never blocks the engine's output fan-out: outputs queue here, and a job
         # whose handler leaves max_pending of them unread is aborted (the others go on).
         queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -83,7 +93,10 @@ class Dispatcher:
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:  # also when the handler is cancelled meanwhile (its connection closed)
                 for j in jobs:
-                    self._active.pop(j.request.rid, None)
+                    if self._active.pop(j.request.rid, None) is not None:
+                        self._users[j.user_rid] -= 1
+                        if not self._users[j.user_rid]:
+                            del self._users[j.user_rid]
 
     def check_capacity(self, n: int) -> None:
         """A 429 when ``n`` more requests would pass the limit of requests in flight."""
@@ -100,8 +113,7 @@ class Dispatcher:
         gave: an n > 1 request's copies rid-0, rid-1 hold rid too), or that they repeat; else None."""
         if len(set(rids)) != len(rids):
             return next(r for r in rids if rids.count(r) > 1)
-        in_use = set(self._active) | set(self._active.values())
-        return next((r for r in [*rids, *sorted(user_rids)] if r in in_use), None)
+        return next((r for r in [*rids, *sorted(user_rids)] if r in self._active or r in self._users), None)
 
     async def abort(self, user_rid: str | None) -> int:
         """Abort the engine requests of one user rid (None: all); returns how many."""
@@ -121,7 +133,10 @@ class Dispatcher:
                         raise SlowConsumer()
                     now = time.perf_counter()
                     n = len(out.token_ids_delta)
-                    if n:
+                    if not job.request.stream:
+                        if out.finished:
+                            self._observe_whole(out.meta, n, now - arrival)
+                    elif n:
                         if first:
                             self.metrics.ttft.observe(now - arrival)
                             first = False
@@ -151,6 +166,17 @@ class Dispatcher:
         finally:
             if outcome:
                 self.metrics.observe_unfinished(outcome)
+
+    def _observe_whole(self, meta: Mapping[str, Any], tokens: int, e2e: float) -> None:
+        """The token timings of a job whose output came whole: its first token came the engine's
+        decode time (e2e less its ttft) before the end, and its tokens after that evenly apart."""
+        ttft, engine_e2e = meta.get("ttft"), meta.get("e2e_latency")
+        if not tokens or ttft is None or engine_e2e is None:
+            return
+        decoding = max(engine_e2e - ttft, 0.0)
+        self.metrics.ttft.observe(max(e2e - decoding, 0.0))
+        for _ in range(tokens - 1):
+            self.metrics.itl.observe(decoding / (tokens - 1))
 
 
 async def _merged(queue: asyncio.Queue[Event], n: int, pending: list[int]) -> AsyncIterator[Event]:

@@ -20,6 +20,7 @@ from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.distributed import RankFailure
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.intake import Submission
+from radixlm.runtime.server.held_outputs import HeldOutputs
 from radixlm.runtime.server.messages import (
     AbortRequest,
     Crashed,
@@ -136,6 +137,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: Outbox) -> None:
     the server died without one."""
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    held = HeldOutputs()  # the outputs of requests nobody streams, until they finish
     while True:
         outbox.check_parent()
         core.check_ranks()  # a dead tensor-parallel rank ends this process, idle or not: the server restarts it
@@ -148,10 +150,10 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: Outbox) -> None:
                 for rid in list(core.requests):
                     out = core.abort(rid)
                     if out is not None:
-                        outbox.send(StepOutputs([out]))
+                        outbox.send(StepOutputs(held.pass_on([out])))
                 outbox.send(Reply(-1))
                 return
-            _handle(core, msg, outbox)
+            _handle(core, msg, outbox, held)
             core.step_seconds["intake"] += time.perf_counter() - t0
             timeout = 0
         if core.has_work:
@@ -163,22 +165,26 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: Outbox) -> None:
                 message = f"engine step failed: {type(e).__name__}: {e}"
                 for rid in list(core.requests):
                     core.abort(rid)
+                    held.drop(rid)
                     outbox.send(RequestFailed(rid, message, bad_input=False))
                 continue
             for out in outputs:
                 if out.error is not None:  # failed before it ran: its constraint did not compile
+                    held.drop(out.rid)
                     outbox.send(RequestFailed(out.rid, out.error, bad_input=True))
-            outputs = [o for o in outputs if o.error is None]
+            outputs = held.pass_on(o for o in outputs if o.error is None)
             if outputs:
                 t0 = time.perf_counter()
                 outbox.send(StepOutputs(outputs))
                 core.step_seconds["send"] += time.perf_counter() - t0
 
 
-def _handle(core: EngineCore, msg: Any, outbox: Outbox) -> None:
+def _handle(core: EngineCore, msg: Any, outbox: Outbox, held: HeldOutputs) -> None:
     if isinstance(msg, Submission):  # parsed and checked at the edge: it goes in as it is
         try:
             core.add_request(msg)
+            if not msg.stream:
+                held.hold(msg.rid)
         except ValueError as e:
             outbox.send(RequestFailed(msg.rid, str(e), bad_input=True,
                                             not_found=isinstance(e, SessionNotFoundError)))
@@ -187,7 +193,7 @@ def _handle(core: EngineCore, msg: Any, outbox: Outbox) -> None:
     elif isinstance(msg, AbortRequest):
         out = core.abort(msg.rid)
         if out is not None:
-            outbox.send(StepOutputs([out]))
+            outbox.send(StepOutputs(held.pass_on([out])))
     elif isinstance(msg, Query):
         if msg.kind == "flush_cache":
             ok = not core.has_work

@@ -94,7 +94,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     check_response_cost(spec.jobs, ctx.settings.max_response_bytes)
     with ctx.busy():
         try:
-            async with dispatcher.run(spec.jobs, arrival) as events:
+            async with dispatcher.run(spec.jobs, arrival, stream=spec.stream) as events:
                 if spec.stream:
                     return await _stream(request, spec, events, tok)
                 return await _collect(spec, events, tok)
@@ -345,7 +345,7 @@ async def health_generate(request: web.Request) -> web.Response:
     job = Job(0, Submission(rid, ids, params), rid)
 
     async def one_token() -> None:
-        async with dispatcher.run([job], arrival, admit=False) as events:
+        async with dispatcher.run([job], arrival, admit=False, stream=False) as events:
             async for ev in events:
                 if ev.error is not None:
                     raise ApiError(503, f"the engine failed a test generation: {ev.error.message}")

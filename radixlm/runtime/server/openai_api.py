@@ -248,7 +248,7 @@ async def _run(request: web.Request, ctx: ServerContext, plan: Plan, arrival: fl
                 if plan.stream:
                     return await _stream_tools(request, ctx, plan, arrival, tok)
                 return await _collect_tools(ctx, plan, arrival, tok)
-            async with ctx.dispatcher.run(plan.jobs, arrival) as events:
+            async with ctx.dispatcher.run(plan.jobs, arrival, stream=plan.stream) as events:
                 if plan.stream:
                     return await _stream(request, ctx, plan, events, tok)
                 return await _collect(ctx, plan, events, tok)

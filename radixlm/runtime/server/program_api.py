@@ -257,12 +257,12 @@ class ServerConnection(Connection):
                                        self._tag())
 
     @contextlib.asynccontextmanager
-    async def _events(self, spec: GenerateSpec) -> AsyncIterator[Any]:
+    async def _events(self, spec: GenerateSpec, stream: bool) -> AsyncIterator[Any]:
         dispatcher = self.ctx.dispatcher
         assert dispatcher is not None
         # (admitted with the program: a 429 halfway would throw its work away, and its requests
         # are bounded by the program's limits)
-        async with dispatcher.run(spec.jobs, time.perf_counter(), admit=False) as events:
+        async with dispatcher.run(spec.jobs, time.perf_counter(), admit=False, stream=stream) as events:
             yield events
 
     async def _outputs(self, body: dict[str, Any]) -> list[GenOutput]:
@@ -271,7 +271,7 @@ class ServerConnection(Connection):
         assert tok is not None
         n = len(spec.jobs)
         texts, metas = [""] * n, [dict[str, Any]() for _ in range(n)]
-        async with self._events(spec) as events:
+        async with self._events(spec, stream=False) as events:
             async for ev in events:
                 if ev.error is not None:
                     raise ev.error
@@ -287,7 +287,7 @@ class ServerConnection(Connection):
         spec = await self._spec(req.native_body())
         tok = self.ctx.tokenizer
         assert tok is not None
-        async with self._events(spec) as events:
+        async with self._events(spec, stream=True) as events:
             async for ev in events:
                 if ev.error is not None:
                     raise ev.error

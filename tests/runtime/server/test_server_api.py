@@ -503,3 +503,17 @@ def test_metrics(server: Server):
     assert 0 < server.metric("radixlm_radix_cache_hit_rate") < 1
     assert server.metric("radixlm_http_responses_total", 'status="400"') >= len(BAD_INPUTS) - 1
     assert server.metric("radixlm_http_responses_total", 'status="500"') == 0
+
+
+def test_a_request_that_is_not_streamed_is_timed_like_one_that_is(server: Server):
+    """A non-streamed request's output reaches the server whole (one engine message); its first
+    token and the gaps between its tokens are still counted in the histograms."""
+    body = {"text": "Count to twenty:", "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
+    ttft, itl = (server.metric(f"radixlm_{m}_seconds_count") for m in ("time_to_first_token", "inter_token_latency"))
+    e2e = server.metric("radixlm_e2e_request_latency_seconds_sum")
+    out = server.generate(body)
+    assert len(out["output_ids"]) == 8
+    assert server.metric("radixlm_time_to_first_token_seconds_count") == ttft + 1
+    assert server.metric("radixlm_inter_token_latency_seconds_count") == itl + 7
+    took = server.metric("radixlm_e2e_request_latency_seconds_sum") - e2e
+    assert 0 < out["meta_info"]["ttft"] <= took
