@@ -132,6 +132,21 @@ STEP_STATS = ("steps", "prompt_steps", "graph_steps", "rows_fed", "tokens_fed",
               "program_returns", "program_returns_late", "program_return_steps")
 
 
+def server_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of a server process (not its engine process, a child of its own): its main
+    thread (the event loop) and all its threads; nothing where /proc is not there."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def seconds(stat: str) -> float:
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    try:
+        return {"server cpu s": seconds(f"/proc/{pid}/stat"), "server loop cpu s": seconds(f"/proc/{pid}/task/{pid}/stat")}
+    except OSError:
+        return {}
+
+
 def step_stats(url: str) -> dict[str, float]:
     """The engine's step counters (/get_server_info): steps, steps that fed a prompt, rows fed;
     and the step loop's seconds by phase, as "s <phase>"."""
@@ -246,10 +261,12 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
             asyncio.run(side_by_side(urls, graphs[:3], [0.0] * 3))  # warm-up: one program of each kind
             for url in urls:
                 flush(url)
-            before = [step_stats(url) for url in urls]
+            pids = [proc.pid for proc, _ in servers.values()]
+            before = [{**step_stats(url), **server_cpu(pid)} for url, pid in zip(urls, pids)]
             results = asyncio.run(side_by_side(urls, graphs, sends, args.concurrency))
-            counts = [{k: after[k] - was[k] for k in after}
-                      for was, after in zip(before, (step_stats(url) for url in urls))]
+            counts = [{k: after[k] - was[k] for k in after if k in was}
+                      for was, after in zip(before, ({**step_stats(url), **server_cpu(pid)}
+                                                     for url, pid in zip(urls, pids)))]
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -276,7 +293,10 @@ def scheduling(args: argparse.Namespace) -> dict[str, Any]:
                   f"{steps['rows_fed'] / max(steps['steps'], 1):.1f} rows, "
                   f"{steps['tokens_fed'] / max(steps['steps'], 1):.1f} tokens a step)  program round trips "
                   f"{steps['program_returns']} ({steps['program_returns_late']} past the gap, "
-                  f"{steps['program_return_steps'] / max(steps['program_returns'], 1):.1f} steps each)", flush=True)
+                  f"{steps['program_return_steps'] / max(steps['program_returns'], 1):.1f} steps each)"
+                  + (f"  server cpu {steps['server cpu s'] / args.programs * 1e3:.1f} ms a program "
+                     f"({steps['server loop cpu s'] / args.programs * 1e3:.1f} on its event loop)"
+                     if "server cpu s" in steps else ""), flush=True)
             phases = {k[2:]: v for k, v in steps.items() if k.startswith("s ")}
             if phases:
                 print(f"  ms a step ({mode}): " + "  ".join(f"{k} {v / max(steps['steps'], 1) * 1e3:.2f}"

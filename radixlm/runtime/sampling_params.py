@@ -160,7 +160,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name, p in PARAMS.items():
-            value = normalize_value(name, p, getattr(self, name))
+            value = getattr(self, name)
+            if value is DEFAULTS[name]:  # a default is stored normalized and valid (tested): most fields
+                continue
+            value = normalize_value(name, p, value)
             object.__setattr__(self, name, value)
             check_value(name, p, value)
         self._check_together()

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.sampling_params import DEFAULTS, PARAMS, SamplingParams, check_value, normalize_value
 
 
 def test_defaults_match_sglang():
@@ -97,6 +97,20 @@ def test_normalizes_stop_and_ids_and_is_hashable():
     assert hash(p) == hash(SamplingParams(stop=("###",), stop_token_ids=(2, 3)))
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.temperature = 0.5  # type: ignore[misc]
+
+
+def test_defaults_are_stored_normalized_and_valid():
+    """SamplingParams keeps a default value as it is, unchecked: each must already be its own
+    normalized form and valid."""
+    for name, p in PARAMS.items():
+        assert normalize_value(name, p, DEFAULTS[name]) == DEFAULTS[name], name
+        check_value(name, p, DEFAULTS[name])
+    assert SamplingParams() == SamplingParams(**DEFAULTS)
+
+
+def test_a_value_equal_to_its_default_is_normalized_like_any_other():
+    p = SamplingParams.from_dict({"temperature": 1, "top_k": -1, "stop": [], "max_new_tokens": 128})
+    assert p == SamplingParams() and isinstance(p.temperature, float) and p.stop == ()
 
 
 def test_is_greedy():

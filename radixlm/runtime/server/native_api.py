@@ -51,6 +51,11 @@ GENERATE_IGNORED = ("log_metrics", "session_id", "conversation_id", "routing_key
 TOKENIZE_FIELDS = ("prompt", "add_special_tokens", "model")  # SGLang's /tokenize request
 DETOKENIZE_FIELDS = ("tokens", "skip_special_tokens", "model")  # SGLang's /detokenize request
 HEALTH_GENERATE_TIMEOUT = 30.0
+# a /generate body whose prompts are at most this many characters (or token ids) in all is parsed
+# on the event loop (tokenizing ~1k characters takes ~0.5 ms on a 2-core CPU); a longer one in a
+# thread, so that it does not stall other requests. A thread costs the body two turns of the loop,
+# and its tokenizing took turns with the loop for the GIL (docs/server.md, "Processes").
+INLINE_PARSE_SIZE = 1024
 
 
 @dataclass
@@ -88,9 +93,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
     body = await read_json_object(request, ctx.settings.max_request_bytes)
     tok, dispatcher = ctx.require_ready()
-    # off the event loop: tokenizing a long prompt must not stall other requests
-    spec = await asyncio.to_thread(parse_generate, body, tok, ctx.settings.max_top_logprobs,
-                                   ctx.settings.max_queued_requests)
+    spec = await parse_generate_soon(body, tok, ctx.settings.max_top_logprobs, ctx.settings.max_queued_requests)
     check_response_cost(spec.jobs, ctx.settings.max_response_bytes)
     with ctx.busy():
         try:
@@ -102,6 +105,27 @@ async def generate(request: web.Request) -> web.StreamResponse:
             if e.status == 400 and e.param is None and "constrained" in e.message:
                 e.param = "sampling_params"  # the engine refused a regex / json_schema / ebnf
             raise
+
+
+async def parse_generate_soon(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int,
+                              program: ProgramTag | None = None) -> GenerateSpec:
+    """`parse_generate`, on the event loop for a short body, in a thread for a long one
+    (INLINE_PARSE_SIZE)."""
+    if _prompt_size(body) <= INLINE_PARSE_SIZE:
+        return parse_generate(body, tok, max_top, max_jobs, program)
+    return await asyncio.to_thread(parse_generate, body, tok, max_top, max_jobs, program)
+
+
+def _prompt_size(body: dict[str, Any]) -> int:
+    """The characters of a body's text prompts, or the ids of its token prompts (more than
+    INLINE_PARSE_SIZE where they are not what they should be: parse_generate says what is wrong)."""
+    text, ids = body.get("text"), body.get("input_ids")
+    prompts = text if text is not None else ids
+    if isinstance(prompts, str) or (prompts is ids and is_token_list(prompts)):
+        return len(prompts)
+    if isinstance(prompts, list) and all(isinstance(p, (str, list)) for p in prompts):
+        return sum(len(p) for p in prompts)
+    return INLINE_PARSE_SIZE + 1
 
 
 def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int,
