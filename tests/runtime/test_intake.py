@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from radixlm.runtime.intake import PromptRequest, Submission, submissions
@@ -44,8 +46,11 @@ def test_a_session_turn_is_one_prompt_with_n_1():
 
 
 def test_the_engine_process_adds_the_submission_it_receives_as_it_is():
-    """Across the process boundary the params travel typed: no dict, no second parse."""
+    """Across the process boundary the params travel typed: no dict, no second parse; a
+    submission nobody streams has its outputs held until it finishes."""
+    from radixlm.runtime.output_processor import RequestOutput
     from radixlm.runtime.server.engine_process import _handle
+    from radixlm.runtime.server.held_outputs import HeldOutputs
 
     class Core:
         def __init__(self) -> None:
@@ -56,5 +61,10 @@ def test_the_engine_process_adds_the_submission_it_receives_as_it_is():
 
     core = Core()
     [[sub]] = submissions([_prompt("r", temperature=0)])
-    _handle(core, sub, None)  # type: ignore[arg-type]
+    held = HeldOutputs()
+    _handle(core, sub, None, held)  # type: ignore[arg-type]
     assert core.added == [sub] and core.added[0].params is sub.params
+    assert held.pass_on([RequestOutput("r", "a", [1])]) == [RequestOutput("r", "a", [1])]
+    whole = dataclasses.replace(sub, rid="w", stream=False)
+    _handle(core, whole, None, held)  # type: ignore[arg-type]
+    assert core.added[1] is whole and held.pass_on([RequestOutput("w", "a", [1])]) == []
