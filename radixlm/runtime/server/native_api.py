@@ -117,15 +117,14 @@ async def parse_generate_soon(body: dict[str, Any], tok: ServerTokenizer, max_to
 
 
 def _prompt_size(body: dict[str, Any]) -> int:
-    """The characters of a body's text prompts, or the ids of its token prompts (more than
-    INLINE_PARSE_SIZE where they are not what they should be: parse_generate says what is wrong)."""
-    text, ids = body.get("text"), body.get("input_ids")
-    prompts = text if text is not None else ids
-    if isinstance(prompts, str) or (prompts is ids and is_token_list(prompts)):
+    """The characters of a body's text prompts, or the ids of its token prompts (a malformed
+    body is sized too: parse_generate says what is wrong with it)."""
+    prompts = body.get("text") if body.get("text") is not None else body.get("input_ids")
+    if isinstance(prompts, str):
         return len(prompts)
-    if isinstance(prompts, list) and all(isinstance(p, (str, list)) for p in prompts):
-        return sum(len(p) for p in prompts)
-    return INLINE_PARSE_SIZE + 1
+    if isinstance(prompts, list):
+        return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompts)
+    return 0
 
 
 def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int,
