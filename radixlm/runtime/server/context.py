@@ -65,6 +65,8 @@ class ServerContext:
             await asyncio.gather(importing, return_exceptions=True)
         self._tokenizer = await asyncio.to_thread(ServerTokenizer.load, self.info)
         self._tokenizer.special_in_content = self.settings.special_tokens_in_content
+        # (the first program's PrefixTokenizer would work out its parts on the event loop: ~0.1 s)
+        await asyncio.to_thread(self._tokenizer.prefix_tokenizer)
         self._dispatcher = Dispatcher(self._client, self.metrics, self.settings.max_queued_requests,
                                       self.settings.max_pending_outputs)
         # What the server holds from now on (modules, the tokenizer, the app: ~231,000 objects) stays

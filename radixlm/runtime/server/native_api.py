@@ -21,6 +21,7 @@ from radixlm.runtime.server.dispatcher import Event, Job, check_job_count, expan
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import check_keys, get_bool, get_float, get_int, get_str, is_token_list
 from radixlm.runtime.server.payload import check_response_cost, finite_logprob, json_response, read_json_object
+from radixlm.runtime.server.prefix_tokenizer import PrefixTokenizer
 from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
 from radixlm.runtime.sessions import SessionError, SessionParams
@@ -108,34 +109,37 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def parse_generate_soon(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int,
-                              program: ProgramTag | None = None) -> GenerateSpec:
+                              program: ProgramTag | None = None, prefix: PrefixTokenizer | None = None) -> GenerateSpec:
     """`parse_generate`, on the event loop for a short body, in a thread for a long one
-    (INLINE_PARSE_SIZE)."""
-    if _prompt_size(body) <= INLINE_PARSE_SIZE:
-        return parse_generate(body, tok, max_top, max_jobs, program)
-    return await asyncio.to_thread(parse_generate, body, tok, max_top, max_jobs, program)
+    (INLINE_PARSE_SIZE; what ``prefix`` tokenized before does not count)."""
+    if _prompt_size(body, prefix) <= INLINE_PARSE_SIZE:
+        return parse_generate(body, tok, max_top, max_jobs, program, prefix)
+    return await asyncio.to_thread(parse_generate, body, tok, max_top, max_jobs, program, prefix)
 
 
-def _prompt_size(body: dict[str, Any]) -> int:
-    """The characters of a body's text prompts, or the ids of its token prompts (a malformed
-    body is sized too: parse_generate says what is wrong with it)."""
+def _prompt_size(body: dict[str, Any], prefix: PrefixTokenizer | None = None) -> int:
+    """The characters of a body's text prompts (past what ``prefix`` tokenized before), or the
+    ids of its token prompts (a malformed body is sized too: parse_generate says what is wrong
+    with it)."""
     prompts = body.get("text") if body.get("text") is not None else body.get("input_ids")
+    fresh = prefix.fresh_chars if prefix is not None else len
     if isinstance(prompts, str):
-        return len(prompts)
+        return fresh(prompts)
     if isinstance(prompts, list):
-        return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompts)
+        return sum(fresh(p) if isinstance(p, str) else len(p) if isinstance(p, list) else 1 for p in prompts)
     return 0
 
 
 def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max_jobs: int,
-                   program: ProgramTag | None = None) -> GenerateSpec:
+                   program: ProgramTag | None = None, prefix: PrefixTokenizer | None = None) -> GenerateSpec:
     """Validate a /generate body into engine jobs; every problem is a 400 naming its field.
-    ``program``: the tag of a program the server runs (then the body has no ``program`` field)."""
+    ``program``: the tag of a program the server runs (then the body has no ``program`` field),
+    ``prefix``: its PrefixTokenizer."""
     check_keys(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_UNSUPPORTED)
     for key in ("text", "input_ids"):
         if isinstance(body.get(key), list) and body[key] and isinstance(body[key][0], (str, list)):
             check_job_count(len(body[key]), max_jobs, "prompts")
-    prompts, single = _prompts(body, tok)
+    prompts, single = _prompts(body, tok, prefix)
     b = len(prompts)
     params = _per_prompt(body, "sampling_params", b)
     logprob = _per_prompt(body, "return_logprob", b)
@@ -183,7 +187,8 @@ def check_logprob_start(specs: list[PromptRequest]) -> None:
                                 "tokens; give -1 or a position inside the prompt", param="logprob_start_len")
 
 
-def _prompts(body: dict[str, Any], tok: ServerTokenizer) -> tuple[list[list[int]], bool]:
+def _prompts(body: dict[str, Any], tok: ServerTokenizer,
+             prefix: PrefixTokenizer | None = None) -> tuple[list[list[int]], bool]:
     text, ids, spans = body.get("text"), body.get("input_ids"), body.get("plain_text_spans")
     if (text is None) == (ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", param="text" if text is not None else None)
@@ -191,9 +196,9 @@ def _prompts(body: dict[str, Any], tok: ServerTokenizer) -> tuple[list[list[int]
         raise ApiError(400, "plain_text_spans goes with a single string text", param="plain_text_spans")
     if text is not None:
         if isinstance(text, str):
-            return [tok.encode_text(text, "text", spans)], True
+            return [tok.encode_text(text, "text", spans, prefix)], True
         if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return [tok.encode_text(t, f"text[{i}]") for i, t in enumerate(text)], False
+            return [tok.encode_text(t, f"text[{i}]", prefix=prefix) for i, t in enumerate(text)], False
         raise ApiError(400, "text must be a string or a non-empty list of strings", param="text")
     if ids == []:
         raise ApiError(400, "input_ids is empty; give at least one token", param="input_ids")

@@ -48,6 +48,7 @@ from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import check_keys, get_bool, get_str
 from radixlm.runtime.server.native_api import GenerateSpec, native_meta, parse_generate_soon
 from radixlm.runtime.server.payload import json_response, read_json_object
+from radixlm.runtime.server.prefix_tokenizer import PrefixTokenizer
 from radixlm.runtime.server.sse import event_stream, send_event
 
 RUN_PROGRAM_FIELDS = ("graph", "stream", "session_id", "sampling_defaults")
@@ -122,7 +123,7 @@ async def run_program(request: web.Request) -> web.StreamResponse:
     core = StateCore()
     link = SessionTurns(spec.session_id, core) if spec.session_id is not None else None
     program_id = f"program-{uuid.uuid4().hex}"
-    run_ctx = RunContext(ServerConnection(ctx, program_id), ChatTemplate.from_dict(tok.role_markers()),
+    run_ctx = RunContext(ServerConnection(ctx, program_id, prefix=tok.prefix_tokenizer()), ChatTemplate.from_dict(tok.role_markers()),
                          spec.defaults, spec.stream, spec.graph.program, session=link)
     metrics = ctx.metrics
     metrics.programs_running.inc()
@@ -231,14 +232,18 @@ class ServerConnection(Connection):
     Each body names the program (``program_id``); the first request through a fork's connection
     also names the fork (``group``) and, for its prefix prefill, how many branches wait for it."""
 
-    def __init__(self, ctx: ServerContext, program_id: str, group: str | None = None, hold: int = 0) -> None:
+    def __init__(self, ctx: ServerContext, program_id: str, group: str | None = None, hold: int = 0,
+                 prefix: PrefixTokenizer | None = None) -> None:
+        """``prefix``: the program's PrefixTokenizer (its texts tokenized from where they last
+        changed), shared by every connection of the program."""
         self.ctx = ctx
         self.program_id = program_id
         self._group, self._hold = group, hold
+        self.prefix = prefix
 
     def fork(self, group: str, branches: int) -> tuple[Connection, list[Connection]]:
-        return (ServerConnection(self.ctx, self.program_id, group, branches),
-                [ServerConnection(self.ctx, self.program_id, group) for _ in range(branches)])
+        return (ServerConnection(self.ctx, self.program_id, group, branches, self.prefix),
+                [ServerConnection(self.ctx, self.program_id, group, prefix=self.prefix) for _ in range(branches)])
 
     def _tag(self) -> ProgramTag:
         """This request's program tag (the server runs the program, so it is managed); a fork's
@@ -253,7 +258,8 @@ class ServerConnection(Connection):
         s = self.ctx.settings
         self.ctx.metrics.program_round_trips_saved.inc()  # a client-driven program would have sent this over HTTP
         body = {k: v for k, v in body.items() if k != "program"}
-        return await parse_generate_soon(body, tok, s.max_top_logprobs, s.max_queued_requests, self._tag())
+        return await parse_generate_soon(body, tok, s.max_top_logprobs, s.max_queued_requests, self._tag(),
+                                         self.prefix)
 
     @contextlib.asynccontextmanager
     async def _events(self, spec: GenerateSpec, stream: bool) -> AsyncIterator[Any]:

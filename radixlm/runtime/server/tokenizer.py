@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixlm.runtime.chat_template import check_plain_spans, encode_with_plain_spans, from_tokenizer
+from radixlm.runtime.constrained.pre_tokens import split_rule
+from radixlm.runtime.constrained.tokenizer_info import byte_level_decoder
 from radixlm.runtime.server.errors import ApiError
+from radixlm.runtime.server.prefix_tokenizer import PrefixTokenizer
 from radixlm.runtime.tokenizer_loader import import_tokenizer_code, load_tokenizer
 
 _TOKEN_TEXT_CACHE = 65536
@@ -15,6 +19,10 @@ _TOKEN_TEXT_CACHE = 65536
 _MARK_PREFIX = "\x00radixlm-content-"
 _MARK = _MARK_PREFIX + "{}\x00"
 _MARK_SPLIT = re.compile("\x00radixlm-content-(\\d+)\x00")
+# Texts a PrefixTokenizer must tokenize as the tokenizer does whole, grown a piece at a time,
+# before programs get one (the special tokens' texts are added to them).
+_GROWING_PROBES = ('{"name":"Alice Martin","age":34} It\'s 12:30 -- they\'ll see\tyou. ',
+                   "na\u00efve caf\u00e9, \u6771\u4eac x2 \U0001F600! don't 'quote' O'Neil's\n\n  a {b} ")
 
 
 class ServerTokenizer:
@@ -53,13 +61,15 @@ class ServerTokenizer:
                                 f"{self.context_length} tokens can hold ({self.max_text_chars:,}); shorten it",
                            param=param)
 
-    def encode_text(self, text: str, param: str, plain_spans: Any = None) -> list[int]:
+    def encode_text(self, text: str, param: str, plain_spans: Any = None,
+                    prefix: PrefixTokenizer | None = None) -> list[int]:
         """Tokenize a prompt; ``plain_spans`` ([[start, end], ...] character ranges, radixlm's
         extension the DSL sends for message contents) are plain text, never control tokens,
-        unless the server keeps special tokens in content (--special-tokens-in-content)."""
+        unless the server keeps special tokens in content (--special-tokens-in-content).
+        ``prefix``: a program's PrefixTokenizer (the same ids, from its texts tokenized before)."""
         self.check_text_size(text, param)
         if plain_spans is None or self.special_in_content:
-            ids = list(self.tok.encode(text))
+            ids = prefix.encode(text) if prefix is not None else list(self.tok.encode(text))
         else:
             try:
                 spans = check_plain_spans(plain_spans, len(text))
@@ -68,6 +78,55 @@ class ServerTokenizer:
             ids = encode_with_plain_spans(self.tok, text, spans)
         self.check_prompt(ids, param)
         return ids
+
+    def prefix_tokenizer(self) -> PrefixTokenizer | None:
+        """A fresh PrefixTokenizer for a server-run program, or None where this tokenizer has no
+        split rule or fails the checks (every text is then tokenized whole)."""
+        parts = self._prefix_parts
+        return None if parts is None else PrefixTokenizer(*parts)
+
+    @functools.cached_property
+    def _prefix_parts(self) -> tuple[Any, list[int], Any, list[bytes]] | None:
+        """What a PrefixTokenizer is made of, for a byte-level BPE tokenizer whose split rule holds
+        and whose ids it reproduces on growing probe texts; else None. (Worked out once, ~0.1 s.)"""
+        rust = getattr(self.tok, "_tokenizer", None)
+        if rust is None or not hasattr(rust, "to_str"):
+            return None
+        added = getattr(self.tok, "added_tokens_decoder", {}) or {}
+        if any(getattr(t, a, False) for t in added.values() for a in ("lstrip", "rstrip", "normalized", "single_word")):
+            return None  # an added token that takes in the text around it
+
+        def encode(text: str) -> list[int]:
+            return list(rust.encode(text, add_special_tokens=False).ids)
+
+        # (the rule reads these two parts only: the whole tokenizer's JSON takes ~0.15 s to parse)
+        parts_json = [f'"{name}": {part.__getstate__().decode() if part is not None else "null"}'
+                      for name, part in (("normalizer", rust.normalizer), ("pre_tokenizer", rust.pre_tokenizer))]
+        split = split_rule("{" + ", ".join(parts_json) + "}", encode)
+        if split is None:
+            return None
+        alphabet = frozenset(byte_level_decoder())
+        vocab = rust.get_vocab(with_added_tokens=True)
+        size = max(self.vocab_size, max(vocab.values(), default=0) + 1)
+        token_bytes = [0] * size
+        for piece, i in vocab.items():
+            if i in added:
+                token_bytes[i] = len(added[i].content.encode("utf-8"))
+            elif alphabet.issuperset(piece):
+                token_bytes[i] = len(piece)  # (one byte a character of the byte-level alphabet)
+            else:
+                return None  # not a byte-level vocabulary
+        specials = [t.content.encode("utf-8") for t in added.values()]
+        parts = (encode, token_bytes, split, specials)
+        marks = [t.content for t in list(added.values())[:4]]
+        probes = [p + "".join(f"a{m} b{m}\n" for m in marks) + p for p in _GROWING_PROBES]
+        for probe in probes:
+            if list(self.tok.encode(probe)) != encode(probe):
+                return None  # the tokenizer adds ids of its own
+            growing = PrefixTokenizer(*parts)
+            if any(growing.encode(probe[:n]) != encode(probe[:n]) for n in range(1, len(probe) + 1, 3)):
+                return None
+        return parts
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], param: str = "messages",
                     special_in_content: bool | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
