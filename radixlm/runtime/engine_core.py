@@ -29,7 +29,7 @@ from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.constrained.registry import check_grammar_backend
 from radixlm.runtime.constrained.service import GrammarService
-from radixlm.runtime.cuda_graph import GRAPH_EXTEND_ROWS, graph_buckets
+from radixlm.runtime.cuda_graph import GRAPH_EXTEND_ROWS, GRAPH_EXTEND_TOKENS, graph_buckets
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.distributed import TPGroup, check_devices, check_tp_size, init_tp_group, tp_device
 from radixlm.runtime.distributed.launch import Leader, WorkerSet, cpu_threads, exit_with_parent
@@ -50,7 +50,7 @@ from radixlm.runtime.output_processor import OutputProcessor, RequestOutput
 from radixlm.runtime.radix_cache import CACHES, IntegrityError, SlotAllocator
 from radixlm.runtime.request import EngineRequest
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import Scheduled, Scheduler, Status
+from radixlm.runtime.scheduler import GraphRoom, Scheduled, Scheduler, Status
 from radixlm.runtime.sessions import SessionManager, prepended_bos
 from radixlm.runtime.stop import StopMatcher
 from radixlm.runtime.tokenizer_loader import load_tokenizer
@@ -144,7 +144,9 @@ class EngineCore:
         self.cache = CACHES[cc.cache](self.allocator, cc.page_size)
         pin_cap = cc.max_pinned_tokens if cc.max_pinned_tokens is not None else num_slots // 2
         self.sessions = SessionManager(self.cache, pin_cap, cc.session_ttl, strip_bos=prepended_bos(self.tokenizer))
-        self.scheduler = Scheduler(sc, self.cache, self.allocator, self.context_length, self.sessions.unpin_lru)
+        graphs = self.runner.graphs
+        room = None if graphs is None else GraphRoom(graphs.max_bs, GRAPH_EXTEND_TOKENS)
+        self.scheduler = Scheduler(sc, self.cache, self.allocator, self.context_length, self.sessions.unpin_lru, room)
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset(arch.eos_token_ids) | ({eos} if eos is not None else set())
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)

@@ -2,6 +2,6 @@
 
 from radixlm.runtime.scheduler.policy import POLICIES
 from radixlm.runtime.scheduler.request import ProgramTag, Request, Status
-from radixlm.runtime.scheduler.scheduler import Scheduled, Scheduler
+from radixlm.runtime.scheduler.scheduler import GraphRoom, Scheduled, Scheduler
 
-__all__ = ["POLICIES", "ProgramTag", "Request", "Scheduled", "Scheduler", "Status"]
+__all__ = ["POLICIES", "GraphRoom", "ProgramTag", "Request", "Scheduled", "Scheduler", "Status"]

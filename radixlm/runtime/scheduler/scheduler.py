@@ -15,6 +15,11 @@ order they came, and only while fewer than `program_active_cap` started programs
 `program_gap_steps` steps); a fork's siblings
 are admitted back to back; a fork's prefix prefill keeps its KV locked until its branches are
 admitted, so it is computed once even when the cache is under pressure.
+
+Where steps can replay as CUDA graphs (`GraphRoom`), short prompt pieces that would push a step
+past what a graph holds wait for the next step instead: on an H200 the default model's step
+took ~1 ms replayed and ~15 ms eager, so one step of 32 programs' next prompts, all arriving
+together, cost more than two replayed steps.
 """
 
 from __future__ import annotations
@@ -37,6 +42,28 @@ DEDUP_MIN = 16
 # Programs remembered as started when nobody ends them (a client naming its programs): the oldest
 # are forgotten past this many per running-request row.
 PROGRAMS_PER_ROW = 4
+
+
+@dataclass(frozen=True)
+class GraphRoom:
+    """What a step replayed as a CUDA graph holds: ``rows`` tokens in all (a decode row each),
+    ``extend_tokens`` at most of one sequence."""
+
+    rows: int
+    extend_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.extend_tokens < 1:
+            raise ValueError(f"a graph room needs rows and extend_tokens >= 1, got {self.rows}, {self.extend_tokens}")
+
+    def left(self, step: Sequence[Scheduled]) -> int | None:
+        """Tokens this step can still take and replay; None when it runs eager anyway, or when
+        it has no room for a piece of ``extend_tokens`` (then holding pieces back could keep
+        them waiting for as long as the decodes fill it)."""
+        n = sum(len(s.seq.token_ids) for s in step)
+        if n + self.extend_tokens > self.rows or any(len(s.seq.token_ids) > self.extend_tokens for s in step):
+            return None
+        return self.rows - n
 
 
 @dataclass(frozen=True)
@@ -75,11 +102,13 @@ class Scheduler:
         allocator: SlotAllocator,
         max_context: int,
         reclaim: Callable[[], bool] | None = None,
+        graph_room: GraphRoom | None = None,
     ) -> None:
         """``reclaim``: release one holder of locked cache KV that no request needs (a session's
         pin, least recently used first), so that it becomes evictable; False when none is left.
         Called before a running request is retracted or ended for lack of KV, and when nothing
-        at all can be scheduled."""
+        at all can be scheduled. ``graph_room``: what a step replayed as a CUDA graph holds
+        (None: no graphs)."""
         if config.policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {config.policy!r}; choose one of {sorted(POLICIES)}")
         self.config = config
@@ -87,6 +116,7 @@ class Scheduler:
         self.allocator = allocator
         self.max_context = max_context
         self.reclaim = reclaim
+        self.graph_room = graph_room
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.free_rows = list(range(config.max_running_requests - 1, -1, -1))
@@ -264,7 +294,7 @@ class Scheduler:
             budget -= len(s.seq.token_ids)
             out.append(s)
         if self.waiting and budget > 0 and self.free_rows:
-            out.extend(self._admit(budget))
+            out.extend(self._admit(budget, None if self.graph_room is None else self.graph_room.left(out)))
         return out
 
     def end_step(self, step: Sequence[Scheduled]) -> None:
@@ -520,7 +550,9 @@ class Scheduler:
         """Slots req is expected to still take: its uncomputed prompt plus a share of its output."""
         return req.fill_len - max(cached, len(req.slots)) + int(req.remaining_new_tokens() * self.new_token_ratio)
 
-    def _admit(self, budget: int) -> list[Scheduled]:
+    def _admit(self, budget: int, room: int | None) -> list[Scheduled]:
+        """Admit waiting requests while the budgets allow. ``room``: tokens the step can still take
+        and replay as a CUDA graph (None: no limit); a short prompt piece past it waits."""
         out: list[Scheduled] = []
         in_flight = [r for r in self.running if len(r.slots) < r.fill_len or not r.output_ids]
         reserved = sum(self._expected_need(r, 0) for r in self.running)
@@ -543,6 +575,7 @@ class Scheduler:
         cutoff: dict[int, int] = {}  # id of a request admitted or deferred in this pass -> admissions before it
         cap = self.config.program_active_cap or 2 * self.config.max_running_requests
         active = self._active_programs() if self.config.program_scheduling else 0
+        longest = 0 if self.graph_room is None else self.graph_room.extend_tokens  # a piece a graph holds
 
         def defer(req: Request) -> None:
             """req cannot run now: passing it overtakes nobody."""
@@ -562,6 +595,9 @@ class Scheduler:
             limit = min(req.fill_len - 1, req.first_logit_pos())
             match = self.cache.match_prefix(req.fill_ids[:limit])
             cached = len(match.slots)
+            piece = min(req.fill_len - cached, budget)  # (the prompt tokens it would feed now)
+            if room is not None and room < piece <= longest:
+                break  # the step stays a graph; this piece goes first next step
             # only a cache that shares prefixes can serve them to the waiting request later
             if self.cache.shares_prefixes and any(self._shares_uncached(req, other, cached) for other in in_flight):
                 defer(req)  # it waits for that prefix
@@ -594,6 +630,8 @@ class Scheduler:
             headroom -= need
             budget -= len(s.seq.token_ids)
             out.append(s)
+            if room is not None:  # (a long piece runs the step eager: then anything may join it)
+                room = None if piece > longest else room - piece
             in_flight.append(req)
             self._admitted(req)
             active += starts

@@ -19,7 +19,7 @@ from collections import defaultdict
 from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.radix_cache import NoCache, RadixCache, SlotAllocator
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import ProgramTag, Request, Scheduled, Scheduler, Status
+from radixlm.runtime.scheduler import GraphRoom, ProgramTag, Request, Scheduled, Scheduler, Status
 
 VOCAB = 50
 
@@ -51,13 +51,14 @@ class Sim:
         cache: str = "radix",
         page_size: int = 1,
         max_context: int = 4096,
+        graph_room: GraphRoom | None = None,
         **sched_kwargs,
     ) -> None:
         self.allocator = SlotAllocator(num_slots)
         cache_cls = {"radix": RadixCache, "none": NoCache}[cache]
         self.cache = cache_cls(self.allocator, page_size)
         self.config = SchedulerConfig(**sched_kwargs)
-        self.sched = Scheduler(self.config, self.cache, self.allocator, max_context)
+        self.sched = Scheduler(self.config, self.cache, self.allocator, max_context, graph_room=graph_room)
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (token id, position) last written there
         self.table: dict[int, list[int]] = {}  # row -> slots of positions 0..len-1
         self.requests: dict[str, Request] = {}
