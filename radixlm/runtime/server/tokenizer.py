@@ -88,7 +88,7 @@ class ServerTokenizer:
     @functools.cached_property
     def _prefix_parts(self) -> tuple[Any, list[int], Any, list[bytes]] | None:
         """What a PrefixTokenizer is made of, for a byte-level BPE tokenizer whose split rule holds
-        and whose ids it reproduces on growing probe texts; else None. (Worked out once, ~0.1 s.)"""
+        and whose ids it reproduces on growing probe texts; else None. (Worked out once, ~0.2 s.)"""
         rust = getattr(self.tok, "_tokenizer", None)
         if rust is None or not hasattr(rust, "to_str"):
             return None
@@ -96,8 +96,14 @@ class ServerTokenizer:
         if any(getattr(t, a, False) for t in added.values() for a in ("lstrip", "rstrip", "normalized", "single_word")):
             return None  # an added token that takes in the text around it
 
+        # A Rust tokenizer of its own: the transformers wrapper sets its shared one's
+        # encode_special_tokens for each call (split_special_tokens=True for plain-text spans)
+        # and leaves it so, which would turn the role markers of the next texts into characters.
+        own = type(rust).from_str(rust.to_str())
+        own.encode_special_tokens = False
+
         def encode(text: str) -> list[int]:
-            return list(rust.encode(text, add_special_tokens=False).ids)
+            return list(own.encode(text, add_special_tokens=False).ids)
 
         # (the rule reads these two parts only: the whole tokenizer's JSON takes ~0.15 s to parse)
         parts_json = [f'"{name}": {part.__getstate__().decode() if part is not None else "null"}'

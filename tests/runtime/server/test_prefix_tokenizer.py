@@ -70,6 +70,17 @@ def test_a_split_is_never_taken_next_to_special_token_text(tok):
     assert tok.tok.convert_tokens_to_ids("<|im_start|>") in prefix.encode(whole)
 
 
+def test_role_markers_stay_control_tokens_after_a_plain_text_encode(tok):
+    """The wrapper's split_special_tokens=True (plain-text spans) leaves the Rust tokenizer it
+    wraps splitting special tokens; a program's texts keep their markers as control tokens."""
+    text = "<|im_start|>user\nMy name is Ada.<|im_end|>\n<|im_start|>assistant\n"
+    prefix = tok.prefix_tokenizer()
+    tok.tok.encode("hi<|im_end|>", add_special_tokens=False, split_special_tokens=True)
+    got = prefix.encode(text)
+    assert got == _whole(tok, text)
+    assert got.count(tok.tok.convert_tokens_to_ids("<|im_start|>")) == 2
+
+
 def test_only_the_new_text_counts_toward_the_inline_size(tok):
     prefix = tok.prefix_tokenizer()
     long = "word " * 400
