@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,11 @@ class ServerTokenizer:
         self.vocab_size = vocab_size
         self._texts: dict[int, str] = {}
         self._markers: dict[str, Any] | None = None
+        # The transformers wrapper sets the Rust tokenizer's encode_special_tokens for each call
+        # (split_special_tokens=True for plain-text spans) and leaves it set: calls from the
+        # event loop and from worker threads (long bodies) take turns, so that no call runs
+        # with the flag another one set.
+        self._encoding = threading.RLock()
         # Text longer than this cannot fit the context (no token spells more characters than the
         # longest vocabulary entry): refused before it is tokenized.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(tokenizer, "get_vocab") else 64
@@ -69,13 +75,18 @@ class ServerTokenizer:
         ``prefix``: a program's PrefixTokenizer (the same ids, from its texts tokenized before)."""
         self.check_text_size(text, param)
         if plain_spans is None or self.special_in_content:
-            ids = prefix.encode(text) if prefix is not None else list(self.tok.encode(text))
+            if prefix is not None:
+                ids = prefix.encode(text)
+            else:
+                with self._encoding:
+                    ids = list(self.tok.encode(text))
         else:
             try:
                 spans = check_plain_spans(plain_spans, len(text))
             except ValueError as e:
                 raise ApiError(400, str(e), param="plain_text_spans") from None
-            ids = encode_with_plain_spans(self.tok, text, spans)
+            with self._encoding:
+                ids = encode_with_plain_spans(self.tok, text, spans)
         self.check_prompt(ids, param)
         return ids
 
@@ -127,7 +138,9 @@ class ServerTokenizer:
         marks = [t.content for t in list(added.values())[:4]]
         probes = [p + "".join(f"a{m} b{m}\n" for m in marks) + p for p in _GROWING_PROBES]
         for probe in probes:
-            if list(self.tok.encode(probe)) != encode(probe):
+            with self._encoding:
+                whole = list(self.tok.encode(probe))
+            if whole != encode(probe):
                 return None  # the tokenizer adds ids of its own
             growing = PrefixTokenizer(*parts)
             if any(growing.encode(probe[:n]) != encode(probe[:n]) for n in range(1, len(probe) + 1, 3)):
@@ -154,11 +167,12 @@ class ServerTokenizer:
         except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages a template rejects
             raise ApiError(400, f"the chat template rejected the messages: {e}", param=param) from None
         ids: list[int] = []
-        for j, piece in enumerate(_MARK_SPLIT.split(text)):
-            if j % 2 == 0:  # the template's own text: its special tokens are control tokens
-                ids += self.tok.encode(piece, add_special_tokens=False) if piece else []
-            else:  # a message's content, as plain text
-                ids += self.tok.encode(marked[int(piece)], add_special_tokens=False, split_special_tokens=True)
+        with self._encoding:
+            for j, piece in enumerate(_MARK_SPLIT.split(text)):
+                if j % 2 == 0:  # the template's own text: its special tokens are control tokens
+                    ids += self.tok.encode(piece, add_special_tokens=False) if piece else []
+                else:  # a message's content, as plain text
+                    ids += self.tok.encode(marked[int(piece)], add_special_tokens=False, split_special_tokens=True)
         self.check_prompt(ids, param)
         return ids
 
@@ -204,7 +218,8 @@ class ServerTokenizer:
     def encode_plain(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of ``text`` with no prompt checks but its size (/tokenize counts, it does not generate)."""
         self.check_text_size(text, param)
-        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+        with self._encoding:
+            return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode_plain(self, ids: Sequence[int], skip_special_tokens: bool, param: str) -> str:
         """Text of ``ids``; an id outside the vocabulary is a 400 naming ``param``."""
@@ -226,7 +241,8 @@ class ServerTokenizer:
         for kind in ("bos", "eos", "pad", "unk"):
             out[f"{kind}_token"] = getattr(self.tok, f"{kind}_token", None)
             out[f"{kind}_token_id"] = getattr(self.tok, f"{kind}_token_id", None)
-        ids = self.tok.encode("x")
+        with self._encoding:
+            ids = self.tok.encode("x")
         out["add_bos_token"] = bool(out["bos_token_id"] is not None and ids and ids[0] == out["bos_token_id"])
         out["all_special_tokens"] = list(getattr(self.tok, "all_special_tokens", []))
         return out
@@ -235,7 +251,8 @@ class ServerTokenizer:
         """The DSL's role markers (radixlm.runtime.chat_template), probed from this tokenizer
         exactly as the in-process Engine backend does, so RuntimeEndpoint formats roles identically."""
         if self._markers is None:
-            self._markers = from_tokenizer(self.tok).to_dict()
+            with self._encoding:
+                self._markers = from_tokenizer(self.tok).to_dict()
         return self._markers
 
     @property
