@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from radixlm.runtime.tokenizer_lock import encoding_lock
+
 _MARK = "\x00{}\x00"
 ROLES = ("system", "user", "assistant")
 
@@ -129,18 +131,19 @@ def encode_with_plain_spans(tokenizer: Any, text: str, plain_spans: Sequence[tup
     """Token ids of ``text`` where the characters in ``plain_spans`` (sorted, disjoint
     [start, end) ranges: message contents) are plain text, never control tokens, while the
     rest (role markers) keeps its special tokens. With no spans this is ``tokenizer.encode``."""
-    if not plain_spans:
-        return list(tokenizer.encode(text))
-    ids: list[int] = list(tokenizer.encode(""))  # BOS where the tokenizer adds one by itself
-    at = 0
-    for start, end in plain_spans:
-        if start > at:
-            ids += tokenizer.encode(text[at:start], add_special_tokens=False)
-        ids += tokenizer.encode(text[start:end], add_special_tokens=False, split_special_tokens=True)
-        at = end
-    if at < len(text):
-        ids += tokenizer.encode(text[at:], add_special_tokens=False)
-    return ids
+    with encoding_lock(tokenizer):  # (the plain spans' encodes set a flag other encodes read)
+        if not plain_spans:
+            return list(tokenizer.encode(text))
+        ids: list[int] = list(tokenizer.encode(""))  # BOS where the tokenizer adds one by itself
+        at = 0
+        for start, end in plain_spans:
+            if start > at:
+                ids += tokenizer.encode(text[at:start], add_special_tokens=False)
+            ids += tokenizer.encode(text[start:end], add_special_tokens=False, split_special_tokens=True)
+            at = end
+        if at < len(text):
+            ids += tokenizer.encode(text[at:], add_special_tokens=False)
+        return ids
 
 
 def check_plain_spans(spans: Any, text_len: int) -> list[tuple[int, int]]:

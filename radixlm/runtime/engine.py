@@ -22,6 +22,7 @@ from radixlm.runtime.intake import PromptRequest, Submission, submissions
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.session_handle import Session
 from radixlm.runtime.sessions import SessionParams
+from radixlm.runtime.tokenizer_lock import encoding_lock
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 ParamsLike = SamplingParams | Mapping[str, Any] | None
@@ -163,11 +164,13 @@ class Engine:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text, a chat (list of {role, content}) or already-tokenized input."""
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            with encoding_lock(self.tokenizer):
+                return list(self.tokenizer.encode(prompt))
         if prompt and all(isinstance(m, Mapping) for m in prompt):
             chat = [dict(m) for m in prompt if isinstance(m, Mapping)]
             text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            with encoding_lock(self.tokenizer):
+                return list(self.tokenizer.encode(text, add_special_tokens=False))
         ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
         if len(ids) == len(prompt):
             return ids

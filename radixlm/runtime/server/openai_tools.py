@@ -111,7 +111,7 @@ def _calls_params(params: dict[str, Any], plan: ToolPlan) -> None:
 
 def opener_ids(tok: ServerTokenizer, fmt: ToolFormat) -> list[int]:
     """The opener as the tokenizer spells it (its own added token where it has one)."""
-    return list(tok.tok.encode(fmt.opener, add_special_tokens=False)) if fmt.opener else []
+    return tok.encode_plain(fmt.opener, add_special_tokens=False, param="tools") if fmt.opener else []
 
 
 # -- running a choice ------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ async def run_choice(ctx: ServerContext, plan: ToolPlan, job: Job, arrival: floa
         if not (reason.get("type") == "stop" and reason.get("matched") == plan.fmt.trigger):
             yield Piece("end", reason=reason.get("type"), matched=reason.get("matched"), metas=metas)
             return
-        prompt = (plan.chat_ids + list(tok.tok.encode(content, add_special_tokens=False, split_special_tokens=True))
+        prompt = (plan.chat_ids + tok.encode_content(content)
                   + opener_ids(tok, plan.fmt))
         left = sub.params.max_new_tokens - int(meta.get("completion_tokens", 0))
         if left <= 0:

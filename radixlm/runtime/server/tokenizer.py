@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ from radixlm.runtime.constrained.tokenizer_info import byte_level_decoder
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.prefix_tokenizer import PrefixTokenizer
 from radixlm.runtime.tokenizer_loader import import_tokenizer_code, load_tokenizer
+from radixlm.runtime.tokenizer_lock import encoding_lock
 
 _TOKEN_TEXT_CACHE = 65536
 # Stands in for a message's content while the chat template renders (then split out again).
@@ -35,11 +35,8 @@ class ServerTokenizer:
         self.vocab_size = vocab_size
         self._texts: dict[int, str] = {}
         self._markers: dict[str, Any] | None = None
-        # The transformers wrapper sets the Rust tokenizer's encode_special_tokens for each call
-        # (split_special_tokens=True for plain-text spans) and leaves it set: calls from the
-        # event loop and from worker threads (long bodies) take turns, so that no call runs
-        # with the flag another one set.
-        self._encoding = threading.RLock()
+        # calls from the event loop and from worker threads (long bodies) take turns (tokenizer_lock)
+        self._encoding = encoding_lock(tokenizer)
         # Text longer than this cannot fit the context (no token spells more characters than the
         # longest vocabulary entry): refused before it is tokenized.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(tokenizer, "get_vocab") else 64
@@ -146,6 +143,11 @@ class ServerTokenizer:
             if any(growing.encode(probe[:n]) != encode(probe[:n]) for n in range(1, len(probe) + 1, 3)):
                 return None
         return parts
+
+    def encode_content(self, text: str) -> list[int]:
+        """Message content as plain text: special-token text in it is characters, never a control token."""
+        with self._encoding:
+            return list(self.tok.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], param: str = "messages",
                     special_in_content: bool | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
