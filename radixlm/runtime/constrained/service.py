@@ -20,6 +20,7 @@ from radixlm.runtime.constrained.limits import SpecLimits, check_spec
 from radixlm.runtime.constrained.pre_tokens import split_rule
 from radixlm.runtime.constrained.registry import check_grammar_backend, make_grammar_backend
 from radixlm.runtime.constrained.tokenizer_info import build_tokenizer_vocab
+from radixlm.runtime.tokenizer_lock import encoding_lock
 
 __all__ = ["ERROR_PREFIX", "GrammarService", "check_constraint", "grammar_config", "text_encoder"]
 
@@ -69,9 +70,11 @@ _PROBES = ('{"name":"Alice Martin","age":34,"tags":["a b",true,null]}', " Hello 
 def text_encoder(tokenizer: Any, hf_json: str) -> Callable[[str], list[int]]:
     """Text -> token ids without special tokens, as ``tokenizer.encode`` gives them: through the
     Rust tokenizer directly where it agrees with ``encode`` on a few probe texts (jump-forward
-    re-tokenizes on the step's critical path, and the Python wrapper costs ~10x the encode)."""
+    re-tokenizes on the step's critical path, and the Python wrapper costs ~10x the encode). The
+    Rust tokenizer is a copy of its own, which no wrapper call switches to split special tokens."""
     def slow(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        with encoding_lock(tokenizer):
+            return list(tokenizer.encode(text, add_special_tokens=False))
 
     if not hf_json:
         return slow

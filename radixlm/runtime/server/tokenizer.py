@@ -9,6 +9,7 @@ from typing import Any
 
 from radixlm.runtime.chat_template import check_plain_spans, encode_with_plain_spans, from_tokenizer
 from radixlm.runtime.constrained.pre_tokens import split_rule
+from radixlm.runtime.constrained.service import text_encoder
 from radixlm.runtime.constrained.tokenizer_info import byte_level_decoder
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.prefix_tokenizer import PrefixTokenizer
@@ -82,8 +83,7 @@ class ServerTokenizer:
                 spans = check_plain_spans(plain_spans, len(text))
             except ValueError as e:
                 raise ApiError(400, str(e), param="plain_text_spans") from None
-            with self._encoding:
-                ids = encode_with_plain_spans(self.tok, text, spans)
+            ids = encode_with_plain_spans(self.tok, text, spans)  # (under the tokenizer's lock)
         self.check_prompt(ids, param)
         return ids
 
@@ -104,15 +104,10 @@ class ServerTokenizer:
         if any(getattr(t, a, False) for t in added.values() for a in ("lstrip", "rstrip", "normalized", "single_word")):
             return None  # an added token that takes in the text around it
 
-        # A Rust tokenizer of its own: the transformers wrapper sets its shared one's
-        # encode_special_tokens for each call (split_special_tokens=True for plain-text spans)
-        # and leaves it so, which would turn the role markers of the next texts into characters.
-        own = type(rust).from_str(rust.to_str())
-        own.encode_special_tokens = False
-
-        def encode(text: str) -> list[int]:
-            return list(own.encode(text, add_special_tokens=False).ids)
-
+        # A Rust tokenizer of its own (the one jump-forward uses): the transformers wrapper sets its
+        # shared one's encode_special_tokens for each call (split_special_tokens=True for plain-text
+        # spans) and leaves it so, which would turn the role markers of the next texts into characters.
+        encode = text_encoder(self.tok, rust.to_str())
         # (the rule reads these two parts only: the whole tokenizer's JSON takes ~0.15 s to parse)
         parts_json = [f'"{name}": {part.__getstate__().decode() if part is not None else "null"}'
                       for name, part in (("normalizer", rust.normalizer), ("pre_tokenizer", rust.pre_tokenizer))]
