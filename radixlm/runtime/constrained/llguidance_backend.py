@@ -336,14 +336,14 @@ class LLGuidanceMatcher:
     text and whether the text is complete, cost the test more than it spared them: measured
     2026-11-28, docs/benchmarks.md, "Fewer cold calls a step".)"""
 
-    __slots__ = ("_m", "_executor", "vocab_size", "_decoded", "_stops", "_eos", "_extra_stops", "_accepted",
+    __slots__ = ("_m", "_executor", "vocab_size", "_text", "_stops", "_eos", "_extra_stops", "_accepted",
                  "_terminated", "_tried")
 
-    def __init__(self, matcher: Any, executor: Any, vocab: TokenizerVocab) -> None:
+    def __init__(self, matcher: Any, executor: Any, vocab: TokenizerVocab, text_ids: bytes) -> None:
         self._m = matcher
         self._executor = executor
         self.vocab_size = vocab.vocab_size
-        self._decoded = vocab.decoded
+        self._text = text_ids  # per token id, 1 where llguidance may take it (text, no stop): one lookup a test
         self._stops = frozenset(vocab.stop_ids)
         self._eos = vocab.stop_ids[0]  # the one stop id llguidance knows
         self._extra_stops = vocab.stop_ids[1:]
@@ -420,11 +420,12 @@ class LLGuidanceMatcher:
         call sees. Stop tokens answer False (the caller masks the row: exact, and rare);
         RuntimeError when llguidance fails."""
         token = int(token)
-        if token == self._tried:
+        tried = self._tried
+        if token == tried:
             return True
-        if self._tried is not None:
+        if tried is not None:
             self._settle()
-        if self._terminated or not 0 <= token < self.vocab_size or token in self._stops or not self._decoded[token]:
+        if self._terminated or not (0 <= token < self.vocab_size and self._text[token]):
             return False
         m = self._m
         if m.try_consume_tokens([token]) == 1:
@@ -448,7 +449,7 @@ class LLGuidanceMatcher:
             if not self._m.is_accepting():
                 return False
             self._terminated = True
-        elif not self._decoded[token] or self._m.try_consume_tokens([token]) != 1:
+        elif not self._text[token] or self._m.try_consume_tokens([token]) != 1:
             if self._m.is_error() and not self._dead_end():
                 raise self._failure()
             return False
@@ -460,8 +461,7 @@ class LLGuidanceMatcher:
         refuses one; how many it took."""
         self._settle()
         ids = [int(t) for t in tokens]
-        if self._terminated or any(not 0 <= t < self.vocab_size or t in self._stops or not self._decoded[t]
-                                   for t in ids):
+        if self._terminated or any(not (0 <= t < self.vocab_size and self._text[t]) for t in ids):
             return accept_in_turn(self.accept, ids)  # stop or special tokens: one at a time
         took = self._m.try_consume_tokens(ids) if ids else 0
         if took < len(ids) and self._m.is_error() and not self._dead_end():
@@ -551,17 +551,18 @@ def _bit(token: int) -> int:
 class LLGuidanceGrammar:
     """A compiled constraint: a fresh llguidance matcher that each request's matcher copies."""
 
-    __slots__ = ("kind", "vocab_size", "_template", "_executor", "_vocab")
+    __slots__ = ("kind", "vocab_size", "_template", "_executor", "_vocab", "_text_ids")
 
-    def __init__(self, kind: str, template: Any, executor: Any, vocab: TokenizerVocab) -> None:
+    def __init__(self, kind: str, template: Any, executor: Any, vocab: TokenizerVocab, text_ids: bytes) -> None:
         self.kind = kind
         self.vocab_size = vocab.vocab_size
         self._template = template
         self._executor = executor
         self._vocab = vocab
+        self._text_ids = text_ids
 
     def new_matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._template.deep_copy(), self._executor, self._vocab)
+        return LLGuidanceMatcher(self._template.deep_copy(), self._executor, self._vocab, self._text_ids)
 
 
 class LLGuidanceBackend(CachedGrammarBackend):
@@ -593,6 +594,8 @@ class LLGuidanceBackend(CachedGrammarBackend):
         self._executor = llguidance.LLExecutor(self.config.fill_threads)
         self._limits = llguidance.LLParserLimits(verbose_errors=False)  # errors name no parser state
         self._json_options = _json_options(self.config)
+        stops = set(vocab.stop_ids)
+        self._text_ids = bytes(bool(b) and t not in stops for t, b in enumerate(vocab.decoded))
 
     def check_schema(self, schema: Any) -> Any:
         """Drop formats llguidance does not know; refuse what it gets wrong (:func:`prepare_schema`);
@@ -673,7 +676,7 @@ class LLGuidanceBackend(CachedGrammarBackend):
             else:
                 reason = error
             raise ValueError(f"cannot compile {kind}: {reason}")
-        return LLGuidanceGrammar(kind, template, self._executor, self.vocab)
+        return LLGuidanceGrammar(kind, template, self._executor, self.vocab, self._text_ids)
 
 
 def _lark_string(text: str) -> str:

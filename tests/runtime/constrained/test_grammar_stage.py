@@ -84,6 +84,25 @@ def test_a_stop_token_or_nothing_allowed_leaves_the_row_to_its_mask(stage, smol_
     assert stage.rejected([SimpleNamespace(matcher=m)], [letters], [0]) == ([0], [])
 
 
+class _BrokenTest:
+    """A matcher whose grammar engine fails when asked about a token."""
+
+    def allows(self, token: int) -> bool:
+        raise RuntimeError("llguidance: broken")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_failing_test_leaves_its_row_to_its_mask(stage, smol_tokenizer, width, rows):
+    """The row's mask fill reports the failure for its request alone; a row beside it is tested as ever."""
+    good = _matcher(stage, smol_tokenizer, '{"name":"Bo","age":')
+    reqs = [SimpleNamespace(matcher=_BrokenTest()), SimpleNamespace(matcher=good)][:rows]
+    tokens = [_token(smol_tokenizer, "7")] * rows
+    logits = torch.zeros(rows, width)
+    assert stage.rejected(reqs, list(tokens), list(range(rows)), logits) == ([0], [])
+    if rows == 2:
+        assert good.accept(tokens[1])  # the token its test took
+
+
 def test_next_best_equals_the_masked_argmax_on_random_rows(stage, smol_tokenizer, width):
     """Random logits where a few tokens, allowed or not, stand out: whenever the next-best search takes a token, it
     is the argmax of the masked row."""
