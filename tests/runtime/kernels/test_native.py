@@ -129,7 +129,7 @@ def test_tiled_product_is_the_int8_block_arithmetic(isa, dtype, bits, rows):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_tiles_equal_in_both_instruction_sets(dtype, bits):
-    """The AVX2 tiles (vpmaddubsw in 16 bits, a pass per half tile; 8-bit weights as two nibble
+    """The AVX2 tiles (vpmaddubsw in 16 bits, four passes a tile; 8-bit weights as two nibble
     halves) sum the same integers as AVX-512 VNNI's and scale them in the same order: equal to
     the bit, over a stretch of rows longer than AVX2's (TILE_CACHE)."""
     n, k, rows = 64, 1536, 40
