@@ -216,7 +216,8 @@ class GrammarStage:
         t0 = time.perf_counter()
         if len(rows) == 1 and self._allows(reqs[rows[0]].matcher, tokens[rows[0]]):
             # one row whose token is allowed (a request alone): said in as few steps as can be, since
-            # after a CPU forward pass each one reads memory that pass swept out of the caches
+            # after a CPU forward pass each one reads memory that pass swept out of the caches (a
+            # refused token, rare, is tested again below)
             self.masks_skipped += 1
             self._spent("test", t0, time.perf_counter())
             return [], []

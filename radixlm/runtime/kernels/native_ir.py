@@ -375,35 +375,35 @@ def _tile_dots(bits: int, isa: str, p: int, h: int, rows: range) -> list[str]:
     last = dict.fromkeys(rows, "zeroinitializer")
     quads: list[tuple[str, int]] = []  # (the weights' <16 x i32>, the quad's first k)
     for w in range(4 if bits == 4 else 8):
-        out += [f"  %wl{w}.p = getelementptr i8, ptr %wb{p}, i64 {64 * w}"]
+        out += [f"  %wl{p}_{w}.p = getelementptr i8, ptr %wb{p}, i64 {64 * w}"]
         if bits == 4:  # a load holds k 8w..8w+3 in the low nibbles, 8w+4..8w+7 in the high ones
-            out += [f"  %wl{w} = load <64 x i8>, ptr %wl{w}.p, align 1",
-                    f"  %wlo{w} = and <64 x i8> %wl{w}, {_splat('i8', 64, 15)}",
-                    f"  %whi{w} = lshr <64 x i8> %wl{w}, {_splat('i8', 64, 4)}",
-                    f"  %wq{2 * w} = bitcast <64 x i8> %wlo{w} to <16 x i32>",
-                    f"  %wq{2 * w + 1} = bitcast <64 x i8> %whi{w} to <16 x i32>"]
-            quads += [(f"%wq{2 * w}", 8 * w), (f"%wq{2 * w + 1}", 8 * w + 4)]
+            out += [f"  %wl{p}_{w} = load <64 x i8>, ptr %wl{p}_{w}.p, align 1",
+                    f"  %wlo{p}_{w} = and <64 x i8> %wl{p}_{w}, {_splat('i8', 64, 15)}",
+                    f"  %whi{p}_{w} = lshr <64 x i8> %wl{p}_{w}, {_splat('i8', 64, 4)}",
+                    f"  %wq{p}_{2 * w} = bitcast <64 x i8> %wlo{p}_{w} to <16 x i32>",
+                    f"  %wq{p}_{2 * w + 1} = bitcast <64 x i8> %whi{p}_{w} to <16 x i32>"]
+            quads += [(f"%wq{p}_{2 * w}", 8 * w), (f"%wq{p}_{2 * w + 1}", 8 * w + 4)]
         else:
-            out += [f"  %wq{w} = load <16 x i32>, ptr %wl{w}.p, align 1"]
-            quads += [(f"%wq{w}", 4 * w)]
+            out += [f"  %wq{p}_{w} = load <16 x i32>, ptr %wl{p}_{w}.p, align 1"]
+            quads += [(f"%wq{p}_{w}", 4 * w)]
     for q, (weights, k) in enumerate(quads):
         for j in rows:
-            out += [f"  %a{j}_{q}.p = getelementptr i8, ptr %aqb{p}_{j}, i64 {k}",
-                    f"  %a{j}_{q} = load i32, ptr %a{j}_{q}.p, align 1",
-                    *_splat_i32(f"av{j}_{q}", f"%a{j}_{q}"),
-                    f"  %d{j}_{q} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {last[j]}, "
-                    f"<16 x i32> {weights}, <16 x i32> %av{j}_{q})"]
-            last[j] = f"%d{j}_{q}"
+            out += [f"  %a{p}_{j}_{q}.p = getelementptr i8, ptr %aqb{p}_{j}, i64 {k}",
+                    f"  %a{p}_{j}_{q} = load i32, ptr %a{p}_{j}_{q}.p, align 1",
+                    *_splat_i32(f"av{p}_{j}_{q}", f"%a{p}_{j}_{q}"),
+                    f"  %d{p}_{j}_{q} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {last[j]}, "
+                    f"<16 x i32> {weights}, <16 x i32> %av{p}_{j}_{q})"]
+            last[j] = f"%d{p}_{j}_{q}"
     return out + [f"  %s{p}_{j} = add <16 x i32> {last[j]}, zeroinitializer" for j in rows]
 
 
 def _tile_dots_avx2(bits: int, p: int, h: int, rows: range) -> list[str]:
-    """`_tile_dots` without VNNI, for half `h` of the tile's rows and the activation rows `rows` (8 weight rows: 32 bytes of each
-    load) into <8 x i32> sums: `vpmaddubsw` of the rows' 4 unsigned weights and the activations'
-    4 broadcast bytes gives 16-bit sums of pairs, added over the block's 8 quads in 16 bits
-    (|8 * 2 * 15 * 127| < 2^15), then `vpmaddwd` sums each row's pairs into 32 bits. 8-bit
-    weights go as two nibble halves (u = 16 * hi + lo), each of them in range; the high half's
-    pairs are weighed 16."""
+    """`_tile_dots` without VNNI, for half `h` of the tile's rows (8 weight rows: 32 bytes of each
+    load) and the activation rows `rows`, into <8 x i32> sums: `vpmaddubsw` of the rows' 4 unsigned
+    weights and the activations' 4 broadcast bytes gives 16-bit sums of pairs, added over the
+    block's 8 quads in 16 bits (|8 * 2 * 15 * 127| < 2^15), then `vpmaddwd` sums each row's pairs
+    into 32 bits. 8-bit weights go as two nibble halves (u = 16 * hi + lo), each of them in range;
+    the high half's pairs are weighed 16."""
     out: list[str] = []
     nib, four = _splat("i8", 32, 15), _splat("i8", 32, 4)
     weigh = {0: _splat("i16", 16, 1), 1: _splat("i16", 16, 16)}
