@@ -169,7 +169,7 @@ class ServerTokenizer:
                 if j % 2 == 0:  # the template's own text: its special tokens are control tokens
                     ids += self.tok.encode(piece, add_special_tokens=False) if piece else []
                 else:  # a message's content, as plain text
-                    ids += self.tok.encode(marked[int(piece)], add_special_tokens=False, split_special_tokens=True)
+                    ids += self.encode_content(marked[int(piece)])  # (the lock is re-entrant)
         self.check_prompt(ids, param)
         return ids
 
