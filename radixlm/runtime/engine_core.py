@@ -36,6 +36,7 @@ from radixlm.runtime.distributed.launch import Leader, WorkerSet, cpu_threads, e
 from radixlm.runtime.distributed.step import StepChannel
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
+from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.kernels.quant import GGUF_BLOCK_METHODS
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample_tokens, token_logprobs, with_logprobs
@@ -645,19 +646,25 @@ def number_formats(config: EngineConfig, source: ModelSource, device: torch.devi
     formats"), logged with their reasons. Tensor parallelism shards dense weights, so `auto` keeps
     them dense there."""
     mc = config.model
-    dtype = choose_dtype(mc.dtype, device.type, cpu_flags() if device.type == "cpu" else None)
+    path = source.gguf_path  # (its share of 4-bit weights is remembered beside the converted weights)
+    sharded = config.parallel.tp_size > 1
+
+    def four_bit() -> bool:
+        return path is not None and four_bit_share(path, source.weights_dir) > 0.5
+
+    native_four_bit = (device.type == "cpu" and mc.dtype == "auto" and mc.quantization == "auto" and not sharded
+                       and mc.quant_dense_above is None and native.tiles_available() and four_bit())
+    dtype = choose_dtype(mc.dtype, device.type, cpu_flags() if device.type == "cpu" else None,
+                         native_four_bit=native_four_bit)
     gguf = None
-    if config.parallel.tp_size > 1 and mc.quantization == "auto":
+    if sharded and mc.quantization == "auto":
         quant = QuantChoice("none", None, "tensor parallelism shards dense weights")
     else:
         def choose(four_bit: bool) -> QuantChoice:
             return choose_quantization(mc.quantization, device.type, dtype.dtype, four_bit, mc.quant_dense_above,
                                        auto_dtype=mc.dtype == "auto")
 
-        path = source.gguf_path  # (its share of 4-bit weights is remembered beside the converted weights)
-        four_bit = (path is not None and choose(True) != choose(False)
-                    and four_bit_share(path, source.weights_dir) > 0.5)
-        quant = choose(four_bit)
+        quant = choose(choose(True) != choose(False) and (native_four_bit or four_bit()))
         if path is not None and quant.method in GGUF_BLOCK_METHODS:  # the file's own blocks (int4 as it holds it)
             gguf = GGUFLinears(path)
     log.info("dtype %s: %s", dtype.dtype, dtype.reason)

@@ -2,10 +2,15 @@
 weights stay quantized. Each choice comes with the reason, logged at start and served by
 /get_server_info.
 
-- dtype `auto`: bf16 on CUDA; on a CPU, bf16 where it multiplies bf16 natively (the
-  avx512_bf16 or amx_bf16 flags, `bf16` on Arm), else fp32 (AVX2-only processors emulate bf16
-  matmuls, ~3x slower than fp32 at 64 rows). Without readable CPU flags a tiny matmul is timed
-  in both dtypes.
+- dtype `auto`: bf16 on CUDA. On a CPU, a 4-bit GGUF model that `--quantization auto` keeps
+  quantized runs fp32 activations where the native tiled kernels run and the processor has no
+  AMX: its every step then runs on them (the fused decode step, the tiled products, the prompt
+  attention), faster than the bf16 path even where the processor multiplies bf16 natively (a
+  Zen 5 with avx512_bf16: bs1 1.7x, bs16 2.0x, a 1k prompt 1.4x; docs/benchmarks.md, "One
+  number format for every processor without AMX"). Otherwise bf16 where the processor
+  multiplies bf16 natively (the avx512_bf16 or amx_bf16 flags, `bf16` on Arm), else fp32
+  (AVX2-only processors emulate bf16 matmuls, ~3x slower than fp32 at 64 rows). Without
+  readable CPU flags a tiny matmul is timed in both dtypes.
 - quantization `auto`: on a CPU in bf16, a GGUF model whose linear weights are 4-bit runs from
   them (int4 at steps of few rows, a dense copy above). In fp32 chosen by `--dtype auto` (no
   native bf16) the same holds where the native kernels run (AVX-512 VNNI or AVX2: 4-bit blocks
@@ -23,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+# Where these run, bf16 prompts multiply in AMX tiles: not measured against the native kernels,
+# so a 4-bit GGUF model keeps the bf16 path there.
+AMX_FLAGS = ("amx_bf16", "amx_int8", "amx_tile")
 # Steps of more rows than this use the dense copy under --quantization auto: in the default
 # model's decode steps (weights cold in memory, avx512_bf16 Zen 4) the int4 kernel beats the
 # packed bf16 copy up to 4 rows (2 concurrent requests 1.6x, 4 1.26x) and loses by 16 (0.75x);
@@ -94,12 +102,19 @@ def bf16_matmul_speedup() -> float:
 
 
 def choose_dtype(requested: str, device: str, flags: frozenset[str] | None,
-                 measure: Callable[[], float] = bf16_matmul_speedup) -> DtypeChoice:
-    """The activation/weight dtype for `requested` (`auto` or a dtype name) on `device`."""
+                 measure: Callable[[], float] = bf16_matmul_speedup, native_four_bit: bool = False) -> DtypeChoice:
+    """The activation/weight dtype for `requested` (`auto` or a dtype name) on `device`.
+    `native_four_bit`: the model is a 4-bit GGUF that `--quantization auto` keeps quantized, and
+    the native tiled kernels run here."""
     if requested != "auto":
         return DtypeChoice(requested, "set by --dtype")
     if device.startswith("cuda"):
         return DtypeChoice("bfloat16", "CUDA: bf16 tensor cores")
+    amx = [f for f in AMX_FLAGS if flags is not None and f in flags]
+    if native_four_bit and not amx:
+        return DtypeChoice("float32", "the model's 4-bit GGUF weights run on the native kernels at every step "
+                                      "(fp32 activations: the fused decode step, the tiled products), faster "
+                                      "than bf16 on a processor without AMX, native bf16 or not")
     if flags is not None:
         native = [f for f in BF16_FLAGS if f in flags]
         if native:
@@ -138,7 +153,7 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     not_four_bit = QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
     kernels = f"the native {native.isa()} kernels" if native.available() else "torch's int4 kernel"
     if dtype == "float32" and auto_dtype and gguf_four_bit and native.tiles_available() and dense_above is None:
-        return QuantChoice("q4", None, f"no native bf16: the GGUF's 4-bit weights, used as they are at every step "
+        return QuantChoice("q4", None, f"the GGUF's 4-bit weights, used as they are at every step "
                                        f"({kernels}, fp32 activations; tiled above {native_ir.MAX_ROWS} rows, "
                                        "no dense copy)")
     if dtype == "float32" and auto_dtype and gguf_four_bit and native.available():

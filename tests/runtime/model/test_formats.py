@@ -35,6 +35,20 @@ def test_dtype_table(requested, device, flags, dtype, why):
     assert choice.dtype == dtype and why in choice.reason
 
 
+@pytest.mark.parametrize(("flags", "dtype", "why"), [
+    (AVX512 | {"avx512_bf16"}, "float32", "native kernels"),  # Zen 4/5: the native kernels win over bf16
+    (AVX512, "float32", "native kernels"),
+    (AVX2, "float32", "native kernels"),
+    (None, "float32", "native kernels"),  # nothing to measure either
+    (AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16", "amx_bf16"),  # AMX: bf16 tiles, as before
+])
+def test_dtype_of_a_four_bit_gguf_on_the_native_kernels(flags, dtype, why):
+    choice = choose_dtype("auto", "cpu", flags, measure=_no_measure, native_four_bit=True)
+    assert choice.dtype == dtype and why in choice.reason
+    assert choose_dtype("bfloat16", "cpu", flags, native_four_bit=True).dtype == "bfloat16"  # asked for: kept
+    assert choose_dtype("auto", "cuda", None, native_four_bit=True).dtype == "bfloat16"
+
+
 @pytest.mark.parametrize(("speedup", "dtype"), [(2.5, "bfloat16"), (1.0, "bfloat16"), (0.35, "float32")])
 def test_dtype_measured_when_flags_unreadable(speedup, dtype):
     choice = choose_dtype("auto", "cpu", None, measure=lambda: speedup)

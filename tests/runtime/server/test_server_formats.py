@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 def test_auto_formats_reported_and_served():
     server = start_server("--max-total-tokens", "4096", "--context-length", "1024")
     try:
-        expected = choose_dtype("auto", "cpu", cpu_flags())
+        # the default model is a Q4_1 GGUF: fp32 where the native tiles run and there is no AMX
+        expected = choose_dtype("auto", "cpu", cpu_flags(), native_four_bit=native.tiles_available())
         quant = choose_quantization("auto", "cpu", expected.dtype, gguf_four_bit=True, auto_dtype=True)  # Q4_1
         for route in ("/get_server_info", "/server_info"):
             status, info = server.get(route)
