@@ -38,6 +38,7 @@ from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
+from radixlm.runtime.kernels.packed import amx_packing
 from radixlm.runtime.kernels.quant import GGUF_BLOCK_METHODS
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample_tokens, token_logprobs, with_logprobs
 from radixlm.runtime.model.arch import ModelArch
@@ -662,7 +663,7 @@ def number_formats(config: EngineConfig, source: ModelSource, device: torch.devi
     else:
         def choose(four_bit: bool) -> QuantChoice:
             return choose_quantization(mc.quantization, device.type, dtype.dtype, four_bit, mc.quant_dense_above,
-                                       auto_dtype=mc.dtype == "auto")
+                                       auto_dtype=mc.dtype == "auto", amx=device.type == "cpu" and amx_packing())
 
         quant = choose(choose(True) != choose(False) and (native_four_bit or four_bit()))
         if path is not None and quant.method in GGUF_BLOCK_METHODS:  # the file's own blocks (int4 as it holds it)

@@ -36,6 +36,13 @@ def packing_available() -> bool:
         return False
 
 
+@functools.cache
+def amx_packing() -> bool:
+    """Whether packed bf16 weights multiply in AMX tiles here (torch sees AMX and packs bf16)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return bool(amx()) and packing_available()
+
+
 def packs(weight: torch.Tensor) -> bool:
     """Whether `DenseLinear` packs this weight (a bf16 CPU matrix, where packing is available)."""
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 \
@@ -44,11 +51,14 @@ def packs(weight: torch.Tensor) -> bool:
 
 class DenseLinear(nn.Module):
     """y = x @ W^T (+ bias) with W dense: packed for oneDNN where `packs(W)`, else a plain
-    `F.linear` weight. The packed tensor is the only copy held (no `weight` then)."""
+    `F.linear` weight. The packed tensor is the only copy held (no `weight` then). Activations
+    of another dtype than W's are multiplied in W's and the result returned in theirs (fp32
+    activations against a bf16 copy in AMX tiles)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
         self.packed: torch.Tensor | None = None
         self.weight: nn.Parameter | None = None
@@ -58,6 +68,8 @@ class DenseLinear(nn.Module):
             self.weight = nn.Parameter(weight.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            return self.forward(x.to(self.dtype)).to(x.dtype)
         if self.packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                                    "none", [], "")

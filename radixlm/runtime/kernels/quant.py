@@ -29,7 +29,7 @@ from torch import nn
 
 from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.native import BlockProduct
-from radixlm.runtime.kernels.packed import DenseLinear
+from radixlm.runtime.kernels.packed import DenseLinear, amx_packing
 
 GROUP = 32  # weights per scale/zero pair in int4 (the GGUF Q4_0/Q4_1 block)
 
@@ -247,8 +247,11 @@ class NativeBlockLinear(WeightOnlyLinear):
     processor runs them (`native.available()`: AVX-512 VNNI or AVX2), for bf16 or fp32
     activations. A layer without a dense copy also holds its weights tiled for steps of more than
     4 rows (`native.pack_tiles`; AVX-512 VNNI: 1.4-1.7x FBGEMM's fp16 GEMM from 8 to 1,024 rows on
-    an Ice Lake; AVX2: 2-2.8x VNNI's time, 2.1-2.25x the fp16 copy at bs16 decode, docs/benchmarks.md); with fp32 activations a dense copy is held as
-    fp16 in FBGEMM's GEMM where this torch has it (`Fp16Linear`)."""
+    an Ice Lake; AVX2: 2-2.8x VNNI's time, 2.1-2.25x the fp16 copy at bs16 decode, docs/benchmarks.md),
+    and with fp32 activations also where a dense copy serves only steps of more than that. With fp32
+    activations a dense copy is held as bf16 packed for oneDNN where it multiplies bf16 in AMX
+    tiles (`packed.amx_packing`), else as fp16 in FBGEMM's GEMM where this torch has it
+    (`Fp16Linear`)."""
 
     def __init__(self, product: BlockProduct, method: str, bias: torch.Tensor | None = None,
                  dense: torch.Tensor | None = None, dense_above: int | None = None) -> None:
@@ -257,6 +260,8 @@ class NativeBlockLinear(WeightOnlyLinear):
         self.method = method
 
     def dense_copy(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear | WeightOnlyLinear:
+        if weight.dtype == torch.float32 and amx_packing():
+            return DenseLinear(weight.bfloat16(), bias)
         if weight.dtype == torch.float32 and fp16_available():
             return Fp16Linear(weight, bias)
         return super().dense_copy(weight, bias)
@@ -275,7 +280,7 @@ class NativeBlockLinear(WeightOnlyLinear):
         `tiled`: hold the tiled layout too (None: where no dense copy is kept)."""
         dense = _dequantized(q, scale, minimum, dtype) if keep_dense else None
         product = BlockProduct.affine(q, scale.float(), minimum.float(), bits=4, dtype=dtype,
-                                      tiled=not keep_dense if tiled is None else tiled)
+                                      tiled=_tiled(dtype, keep_dense, dense_above) if tiled is None else tiled)
         return cls(product, "q4", _opt(bias, dtype), dense, dense_above)
 
     @classmethod
@@ -287,8 +292,15 @@ class NativeBlockLinear(WeightOnlyLinear):
         s = scale.float()
         dense = _dequantized(q, s, None, dtype) if keep_dense else None
         product = BlockProduct.affine(q.to(torch.int32) + 128, s, -128 * s, bits=8, dtype=dtype,
-                                      tiled=not keep_dense if tiled is None else tiled)
+                                      tiled=_tiled(dtype, keep_dense, dense_above) if tiled is None else tiled)
         return cls(product, "q8_0", _opt(bias, dtype), dense, dense_above)
+
+
+def _tiled(dtype: torch.dtype, keep_dense: bool, dense_above: int | None) -> bool:
+    """Whether a native layer holds its weights tiled too: where no dense copy serves the steps of
+    more than MAX_ROWS rows, or (fp32) where the copy serves only steps of more rows than that."""
+    more = dense_above is not None and dense_above > native_ir.MAX_ROWS and dtype == torch.float32
+    return not keep_dense or more
 
 
 def uses_native(dtype: torch.dtype, in_features: int) -> bool:
@@ -325,7 +337,7 @@ def q8_from_float(weight: torch.Tensor, dtype: torch.dtype, keep_dense: bool = F
                   dense_above: int | None = None) -> WeightOnlyLinear:
     """A float [N, K] weight as 8-bit blocks of 32 (as Q8_0), the weight itself as the dense copy."""
     q, scales = q8_0_of(weight)
-    layer = eight_bit_linear(q, scales, dtype, dense_above=dense_above, tiled=not keep_dense)
+    layer = eight_bit_linear(q, scales, dtype, dense_above=dense_above, tiled=_tiled(dtype, keep_dense, dense_above))
     return _with_dense_copy(layer, weight, dtype, keep_dense)
 
 
@@ -334,7 +346,7 @@ def q4_from_float(weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor |
     """--quantization q4 of a float [N, K] weight: per group of 32 between its min and max (as
     Q4_1), the weight itself as the dense copy."""
     q, scale, lo = q4_1_of(weight)
-    layer = four_bit_linear(q, scale, lo, dtype, bias, dense_above=dense_above, tiled=not keep_dense)
+    layer = four_bit_linear(q, scale, lo, dtype, bias, dense_above=dense_above, tiled=_tiled(dtype, keep_dense, dense_above))
     return _with_dense_copy(layer, weight, dtype, keep_dense)
 
 

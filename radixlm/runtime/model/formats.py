@@ -3,16 +3,18 @@ weights stay quantized. Each choice comes with the reason, logged at start and s
 /get_server_info.
 
 - dtype `auto`: bf16 on CUDA. On a CPU, a 4-bit GGUF model that `--quantization auto` keeps
-  quantized runs fp32 activations where the native tiled kernels run and the processor has no
-  AMX: its every step then runs on them (the fused decode step, the tiled products, the prompt
-  attention), faster than the bf16 path even where the processor multiplies bf16 natively (a
-  Zen 5 with avx512_bf16: bs1 1.7x, bs16 2.0x, a 1k prompt 1.4x; docs/benchmarks.md, "One
-  number format for every processor without AMX"). Otherwise bf16 where the processor
+  quantized runs fp32 activations where the native tiled kernels run: its steps then run on them
+  (the fused decode step, the tiled products, the prompt attention), faster than the bf16 path
+  even where the processor multiplies bf16 natively (a Zen 5 with avx512_bf16: bs1 1.5-1.7x,
+  bs16 2.0x, a 1k prompt 1.4x; an AMX Xeon, with the copy below: bs1 1.8x, bs16 2.0x;
+  docs/benchmarks.md, "One number format for every processor"). Otherwise bf16 where the processor
   multiplies bf16 natively (the avx512_bf16 or amx_bf16 flags, `bf16` on Arm), else fp32
   (AVX2-only processors emulate bf16 matmuls, ~3x slower than fp32 at 64 rows). Without
   readable CPU flags a tiny matmul is timed in both dtypes.
 - quantization `auto`: on a CPU in bf16, a GGUF model whose linear weights are 4-bit runs from
-  them (int4 at steps of few rows, a dense copy above). In fp32 chosen by `--dtype auto` (no
+  them (int4 at steps of few rows, a dense copy above). In fp32 on the tiled kernels it runs from
+  them at every step, but where oneDNN multiplies bf16 in AMX tiles: there steps of more than
+  AMX_DENSE_ABOVE rows (prompts) multiply a dense bf16 copy (1.3-1.8x the tiles at a 1k prompt). In fp32 chosen by `--dtype auto` (no
   native bf16) the same holds where the native kernels run (AVX-512 VNNI or AVX2: 4-bit blocks
   times int8 activation blocks), with the dense copy in FBGEMM's fp16 GEMM; any other model runs
   fp16 weights in FBGEMM's fp16 GEMM (half the bytes of fp32, fp32 accumulation; torch's
@@ -28,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
-# Where these run, bf16 prompts multiply in AMX tiles: not measured against the native kernels,
-# so a 4-bit GGUF model keeps the bf16 path there.
-AMX_FLAGS = ("amx_bf16", "amx_int8", "amx_tile")
+# Where oneDNN multiplies bf16 in AMX tiles, a 4-bit GGUF model in fp32 keeps a dense bf16 copy
+# for steps of more rows than this (a 1k prompt 1.3-1.8x the tiles; the fused decode step takes up to
+# native_ir.BUSY_ROWS rows, so decode batches up to that stay on the 4-bit weights).
+AMX_DENSE_ABOVE = 32
 # Steps of more rows than this use the dense copy under --quantization auto: in the default
 # model's decode steps (weights cold in memory, avx512_bf16 Zen 4) the int4 kernel beats the
 # packed bf16 copy up to 4 rows (2 concurrent requests 1.6x, 4 1.26x) and loses by 16 (0.75x);
@@ -110,11 +113,10 @@ def choose_dtype(requested: str, device: str, flags: frozenset[str] | None,
         return DtypeChoice(requested, "set by --dtype")
     if device.startswith("cuda"):
         return DtypeChoice("bfloat16", "CUDA: bf16 tensor cores")
-    amx = [f for f in AMX_FLAGS if flags is not None and f in flags]
-    if native_four_bit and not amx:
-        return DtypeChoice("float32", "the model's 4-bit GGUF weights run on the native kernels at every step "
-                                      "(fp32 activations: the fused decode step, the tiled products), faster "
-                                      "than bf16 on a processor without AMX, native bf16 or not")
+    if native_four_bit:
+        return DtypeChoice("float32", "the model's 4-bit GGUF weights run on the native kernels (fp32 "
+                                      "activations: the fused decode step, the tiled products), faster than "
+                                      "the bf16 path, native bf16 or not")
     if flags is not None:
         native = [f for f in BF16_FLAGS if f in flags]
         if native:
@@ -128,10 +130,11 @@ def choose_dtype(requested: str, device: str, flags: frozenset[str] | None,
 
 
 def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: bool,
-                        dense_above: int | None = None, auto_dtype: bool = False) -> QuantChoice:
+                        dense_above: int | None = None, auto_dtype: bool = False, amx: bool = False) -> QuantChoice:
     """Whether linear weights stay quantized. `gguf_four_bit`: the model comes from a GGUF whose
     linear weights are mostly Q4_0/Q4_1/Q4_K; `dense_above`: --quant-dense-above, if given;
-    `auto_dtype`: --dtype auto chose `dtype` (an fp32 asked for runs dense fp32 weights)."""
+    `auto_dtype`: --dtype auto chose `dtype` (an fp32 asked for runs dense fp32 weights); `amx`:
+    oneDNN multiplies bf16 in AMX tiles here (`packed.amx_packing`)."""
     from radixlm.runtime.kernels import native, native_ir
     from radixlm.runtime.kernels.quant import QUANT_METHODS, fp16_available
 
@@ -153,6 +156,10 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     not_four_bit = QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
     kernels = f"the native {native.isa()} kernels" if native.available() else "torch's int4 kernel"
     if dtype == "float32" and auto_dtype and gguf_four_bit and native.tiles_available() and dense_above is None:
+        if amx:
+            return QuantChoice("q4", AMX_DENSE_ABOVE, f"the GGUF's 4-bit weights, used as they are for steps of up "
+                                                      f"to {AMX_DENSE_ABOVE} rows ({kernels}, fp32 activations, "
+                                                      "tiled), a dense bf16 copy in AMX tiles above")
         return QuantChoice("q4", None, f"the GGUF's 4-bit weights, used as they are at every step "
                                        f"({kernels}, fp32 activations; tiled above {native_ir.MAX_ROWS} rows, "
                                        "no dense copy)")

@@ -8,7 +8,13 @@ import pytest
 
 from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.quant import fp16_available
-from radixlm.runtime.model.formats import auto_dense_above, choose_dtype, choose_quantization, cpu_flags
+from radixlm.runtime.model.formats import (
+    AMX_DENSE_ABOVE,
+    auto_dense_above,
+    choose_dtype,
+    choose_quantization,
+    cpu_flags,
+)
 
 AVX2 = frozenset({"fpu", "sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -40,7 +46,7 @@ def test_dtype_table(requested, device, flags, dtype, why):
     (AVX512, "float32", "native kernels"),
     (AVX2, "float32", "native kernels"),
     (None, "float32", "native kernels"),  # nothing to measure either
-    (AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16", "amx_bf16"),  # AMX: bf16 tiles, as before
+    (AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float32", "native kernels"),  # AMX (its copy: below)
 ])
 def test_dtype_of_a_four_bit_gguf_on_the_native_kernels(flags, dtype, why):
     choice = choose_dtype("auto", "cpu", flags, measure=_no_measure, native_four_bit=True)
@@ -98,6 +104,11 @@ def test_fp32_chosen_for_want_of_native_bf16_runs_fp16_weights():
     else:
         assert (choice.method, choice.dense_above) == ("fp16", None)
     assert choose_quantization("auto", "cpu", "float32", True, dense_above=4, auto_dtype=True).dense_above == 4
+    # where oneDNN multiplies bf16 in AMX tiles, prompts go to a bf16 copy (decode steps stay on the blocks)
+    amx = choose_quantization("auto", "cpu", "float32", True, auto_dtype=True, amx=True)
+    if native.tiles_available():
+        assert (amx.method, amx.dense_above) == ("q4", AMX_DENSE_ABOVE) and "bf16 copy in AMX tiles" in amx.reason
+    assert choose_quantization("auto", "cpu", "float32", False, auto_dtype=True, amx=True).method == "fp16"
     assert choose_quantization("fp16", "cpu", "float32", False).method == "fp16"
     with pytest.raises(ValueError, match="--dtype float32"):
         choose_quantization("fp16", "cpu", "bfloat16", False)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.runtime.batch import SeqStep
-from radixlm.runtime.kernels import native
+from radixlm.runtime.kernels import native, quant
+from radixlm.runtime.kernels.packed import DenseLinear, amx_packing
 from radixlm.runtime.kernels.quant import (
     Fp16Linear,
     Int4Linear,
@@ -222,6 +223,28 @@ def test_fp16_linear_is_the_fp16_weights_product_at_any_batch_size():
         Fp16Linear.from_float(w, torch.bfloat16)
 
 
+@pytest.mark.skipif(not native.tiles_available(), reason="the tiled products need AVX-512 VNNI or AVX2")
+def test_fp32_layer_with_a_bf16_copy_above_its_tiles(monkeypatch):
+    """As `auto` builds a 4-bit GGUF model where oneDNN multiplies bf16 in AMX tiles (forced here):
+    fp32 activations on the 4-bit blocks up to `dense_above` rows (the row kernels, then the tiles),
+    a bf16 copy above them, the result in fp32; in bf16 the copy alone serves the steps above."""
+    monkeypatch.setattr(quant, "amx_packing", lambda: True)
+    torch.manual_seed(0)
+    w = torch.randn(96, 256) * 0.02
+    layer = q4_from_float(w, torch.float32, keep_dense=True, dense_above=32)
+    assert layer.product.tiles is not None
+    assert isinstance(layer.dense, DenseLinear) and layer.dense.dtype == torch.bfloat16
+    plain = q4_from_float(w, torch.float32)  # no copy: the blocks at every row count
+    x = torch.randn(40, 256)
+    for rows in (1, 4, 5, 32):
+        assert torch.equal(layer(x[:rows]), plain(x[:rows]))
+    many = layer(x)  # 40 rows > 32: the bf16 copy
+    assert many.dtype == torch.float32
+    assert torch.equal(many, F.linear(x.bfloat16(), w.bfloat16()).float())
+    assert q4_from_float(w, torch.bfloat16, keep_dense=True, dense_above=16).product.tiles is None
+    assert q4_from_float(w, torch.float32, keep_dense=True, dense_above=4).product.tiles is None
+
+
 def test_q4_needs_groups_of_32():
     with pytest.raises(ValueError, match="divisible by 32"):
         q4_from_float(torch.randn(8, 40), torch.bfloat16)
@@ -317,7 +340,7 @@ def test_default_model_in_fp32_on_the_native_kernels(default_source, smol_tokeni
     if tiled:
         assert down.dense is None and down.product.tiles is not None
     else:
-        assert type(down.dense).__name__ == "Fp16Linear"
+        assert type(down.dense).__name__ == ("DenseLinear" if amx_packing() else "Fp16Linear")
     assert type(quant.host_head).__name__ == "NativeBlockLinear"
     answered = 0
     for chat, answer in CHATS:

@@ -7,7 +7,7 @@ import pytest
 from server_harness import start_server
 
 from radixlm.runtime.kernels import native
-from radixlm.runtime.kernels.packed import packing_available
+from radixlm.runtime.kernels.packed import amx_packing, packing_available
 from radixlm.runtime.model.formats import choose_dtype, choose_quantization, cpu_flags
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,8 @@ def test_auto_formats_reported_and_served():
     try:
         # the default model is a Q4_1 GGUF: fp32 where the native tiles run and there is no AMX
         expected = choose_dtype("auto", "cpu", cpu_flags(), native_four_bit=native.tiles_available())
-        quant = choose_quantization("auto", "cpu", expected.dtype, gguf_four_bit=True, auto_dtype=True)  # Q4_1
+        quant = choose_quantization("auto", "cpu", expected.dtype, gguf_four_bit=True, auto_dtype=True,  # Q4_1
+                                    amx=amx_packing())
         for route in ("/get_server_info", "/server_info"):
             status, info = server.get(route)
             engine = info["engine"]
@@ -27,8 +28,10 @@ def test_auto_formats_reported_and_served():
             assert (engine["quantization"], engine["quantization_reason"]) == (quant.method, quant.reason)
             assert engine["quant_dense_above"] == quant.dense_above
             # q4 in bf16 keeps a dense copy of each of the 30 layers' 4 matrices, packed where oneDNN
-            # multiplies bf16 (the head stays int8 and keeps its dense copy too); fp32 packs none
-            packed = 30 * 4 + 1 if expected.dtype == "bfloat16" and packing_available() else 0
+            # multiplies bf16 (the head stays int8 and keeps its dense copy too); in fp32 only where
+            # it does so in AMX tiles (the copy in bf16), else none
+            copies = expected.dtype == "bfloat16" or quant.dense_above is not None and amx_packing()
+            packed = 30 * 4 + 1 if copies and packing_available() else 0
             assert engine["packed_weights"] == packed
             # the 4-bit layers and the 8-bit head on the native kernels, where they run
             native_products = 30 * 4 + 1 if quant.method == "q4" and native.available() else 0
