@@ -416,17 +416,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def prefill_available() -> bool:
-    """Whether `prefill_attention` runs here (the AVX-512 VNNI kernels' module)."""
+    """Whether `prefill_attention` runs here (the AVX-512 VNNI or AVX2 kernels' module)."""
     return isa() in native_ir.PREFILL_ISAS
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      isa_name: str | None = None) -> torch.Tensor:
     """Causal attention of a prompt's queries q [n, heads, 64] (fp32; heads and d contiguous,
     tokens may be strided) at the last n of the positions of k, v [N, kv_heads, 64] (fp32; N - n
     of them a cached prefix) -> [n, heads * 64]. K and V are laid out once per call as the kernel
     reads them ([kv_heads, N / 16, 64, 16] and [kv_heads, N, 64], N padded to 16); the items
     (PREFILL_ROWS positions of one head) are split between the threads (torch's OpenMP pool
-    outside a busy stretch)."""
+    outside a busy stretch). `isa_name`: the kernels of that instruction set (default: this process's)."""
     n, heads, d = q.shape
     total, kv_heads = k.shape[0], k.shape[1]
     if (q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 or d != 64
@@ -446,8 +447,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     keys_t = keys_t.view(padded // 16, 16, kv_heads, d).permute(2, 0, 3, 1).contiguous()
     values = v.new_zeros(kv_heads, padded, d)
     values[:, :total] = v.permute(1, 0, 2)
-    lib = library()
-    assert lib.prefill is not None, "prompt attention runs with the AVX-512 VNNI kernels"
+    lib = library(isa_name)
+    assert lib.prefill is not None, "prompt attention runs with the AVX-512 VNNI or AVX2 kernels"
     with running(lib) as omp:
         # each part's scores: PREFILL_ROWS rows of the keys
         scratch = torch.empty(max(omp, lib.workers + 1) * native_ir.PREFILL_ROWS * padded, dtype=torch.float32)

@@ -45,7 +45,7 @@ TILE_BYTES = {4: TILE_N * 32 // 2 + 4 * TILE_N, 8: TILE_N * 32 + 4 * TILE_N}
 TILE_ISAS = ("avx512", "avx2")
 # the native prompt attention: on AVX2 (16 vector registers) it measured slower than torch's flash
 # kernel (1,000 queries: 23.7 against 15.1 ms, on an Ice Lake running the AVX2 code)
-PREFILL_ISAS = ("avx512",)
+PREFILL_ISAS = ("avx512", "avx2")
 # bytes of int8 activations a stretch of rows takes: a thread's L2 keeps them; on AVX2, whose
 # tiles read them twice (a pass per half tile), its L1
 TILE_CACHE = {"avx512": 196_608, "avx2": 24_576}
@@ -767,35 +767,51 @@ PREFILL_FIELDS = ("op", "pqi", "qstride", "kti", "parts", "pvi", "pouti", "phead
                   "tpad", "scalebits", "pscri")
 
 
-def _exp2v(src: str, dst: str) -> list[str]:
-    """%dst: 2^%src for <16 x float> %src <= 0, lane by lane: 2^n 2^f with n = rint, |f| <= 1/2, 2^f
-    a degree-7 polynomial (relative error ~1e-8); below -126 the result flushes toward 0."""
-    v = "<16 x float>"
+def _exp2v(src: str, dst: str, lanes: int = 16) -> list[str]:
+    """%dst: 2^%src for <lanes x float> %src <= 0, lane by lane: 2^n 2^f with n = rint, |f| <= 1/2,
+    2^f a degree-7 polynomial (relative error ~1e-8); below -126 the result flushes toward 0."""
+    v, n = f"<{lanes} x float>", lanes
     coefficients = [math.log(2) ** k / math.factorial(k) for k in range(8)]
-    out = [f"  %{dst}.x = call {v} @llvm.maxnum.v16f32({v} {src}, {v} {_splat('float', 16, _f32(-126.0))})",
-           f"  %{dst}.n = call {v} @llvm.rint.v16f32({v} %{dst}.x)",
+    out = [f"  %{dst}.x = call {v} @llvm.maxnum.v{n}f32({v} {src}, {v} {_splat('float', n, _f32(-126.0))})",
+           f"  %{dst}.n = call {v} @llvm.rint.v{n}f32({v} %{dst}.x)",
            f"  %{dst}.f = fsub {v} %{dst}.x, %{dst}.n",
-           f"  %{dst}.p7 = fadd {v} zeroinitializer, {_splat('float', 16, _f32(coefficients[7]))}"]
+           f"  %{dst}.p7 = fadd {v} zeroinitializer, {_splat('float', n, _f32(coefficients[7]))}"]
     for k in range(6, -1, -1):
-        out.append(f"  %{dst}.p{k} = call {v} @llvm.fma.v16f32({v} %{dst}.p{k + 1}, {v} %{dst}.f, "
-                   f"{v} {_splat('float', 16, _f32(coefficients[k]))})")
-    return out + [f"  %{dst}.i = fptosi {v} %{dst}.n to <16 x i32>",
-                  f"  %{dst}.e = add <16 x i32> %{dst}.i, {_splat('i32', 16, 127)}",
-                  f"  %{dst}.b = shl <16 x i32> %{dst}.e, {_splat('i32', 16, 23)}",
-                  f"  %{dst}.t = bitcast <16 x i32> %{dst}.b to {v}",
+        out.append(f"  %{dst}.p{k} = call {v} @llvm.fma.v{n}f32({v} %{dst}.p{k + 1}, {v} %{dst}.f, "
+                   f"{v} {_splat('float', n, _f32(coefficients[k]))})")
+    return out + [f"  %{dst}.i = fptosi {v} %{dst}.n to <{n} x i32>",
+                  f"  %{dst}.e = add <{n} x i32> %{dst}.i, {_splat('i32', n, 127)}",
+                  f"  %{dst}.b = shl <{n} x i32> %{dst}.e, {_splat('i32', n, 23)}",
+                  f"  %{dst}.t = bitcast <{n} x i32> %{dst}.b to {v}",
                   f"  %{dst} = fmul {v} %{dst}.p0, %{dst}.t"]
 
 
-def _prefill() -> str:
+# How a prompt-attention item's work is laid out per instruction set: the vector's lanes, the
+# query rows whose scores one pass over a key block sums together (each row's sums for the
+# block's 16 keys stay in registers: with AVX-512 two chains a row of one 16-lane vector, with
+# AVX2's 16 registers two 8-lane vectors a row, four rows a pass), and the (rows, value vectors)
+# that one pass over the keys weights into their sums.
+PREFILL_PLANS: dict[str, tuple[int, list[list[int]], list[tuple[list[int], list[int]]]]] = {
+    "avx512": (16, [list(range(8))], [([0, 1, 2, 3], [0, 1, 2, 3]), ([4, 5, 6, 7], [0, 1, 2, 3])]),
+    "avx2": (8, [[0, 1, 2, 3], [4, 5, 6, 7]],
+             [(rows, chunks) for rows in ([0, 1], [2, 3], [4, 5], [6, 7]) for chunks in ([0, 1, 2, 3], [4, 5, 6, 7])]),
+}
+
+
+def _prefill(isa: str) -> str:
     """prefill_part(ctl, index): causal attention of a prompt's fp32 queries over the sequence's
     keys (a cached prefix, then the prompt's own), head size 64: items of PREFILL_ROWS positions of
     one query head, round-robin between the parts. Three passes over the keys an item sees, each
-    with independent chains of FMAs: the scores (from K laid out [kv_head, tpad / 16, 64, 16]: a
-    block of 16 keys is 4 KiB read in order, 16 keys a vector) into the part's scratch rows, with
-    their running max; the weights 2^(s - max) in place, with their sum; then the values
-    [kv_head, tpad, 64] weighted into the rows' sums."""
-    v, R, D = "<16 x float>", PREFILL_ROWS, 64
-    neg = _splat("float", 16, _f32(-3.0e38))
+    with independent chains of FMAs laid out by PREFILL_PLANS[isa]: the scores (from K laid out
+    [kv_head, tpad / 16, 64, 16]: a block of 16 keys is 4 KiB read in order) into the part's
+    scratch rows, with their running max; the weights 2^(s - max) in place, with their sums; then
+    the values [kv_head, tpad, 64] weighted into the rows' sums."""
+    lanes, score_groups, value_groups = PREFILL_PLANS[isa]
+    n, R, D = lanes, PREFILL_ROWS, 64
+    v, vi, vb, halves = f"<{n} x float>", f"<{n} x i64>", f"<{n} x i1>", 16 // n
+    chains = 2 if halves == 1 else 1  # independent sums a (row, vector) in a pass over a block
+    neg = _splat("float", n, _f32(-3.0e38))
+    fma, last_scored = f"@llvm.fma.v{n}f32", f"scored{len(score_groups) - 1}"
     out = ["define void @prefill_part(ptr %ctl, i64 %index) {",
            "entry:",
            _loads("ctl", JOB, PREFILL_FIELDS),
@@ -809,7 +825,7 @@ def _prefill() -> str:
            "  %scr = getelementptr float, ptr %scr0, i64 %scro",
            "  %s32 = trunc i64 %scalebits to i32",
            "  %scale2 = bitcast i32 %s32 to float",
-           *_broadcast("s2v", "%scale2", 16),
+           *_broadcast("s2v", "%scale2", n),
            "  %group = udiv i64 %pheads, %pkvheads",
            f"  %tq1 = add i64 %tq, {R - 1}",
            f"  %nqb = udiv i64 %tq1, {R}",
@@ -817,7 +833,7 @@ def _prefill() -> str:
            "  %last = sub i64 %tq, 1",
            "  %kvlen = add i64 %prefix, %tq",
            f"  %ostride = mul i64 %pheads, {D}",
-           "  %iota = add <16 x i64> zeroinitializer, <" + ", ".join(f"i64 {i}" for i in range(16)) + ">",
+           f"  %iota = add {vi} zeroinitializer, <" + ", ".join(f"i64 {i}" for i in range(n)) + ">",
            "  %none = icmp uge i64 %index, %items",
            "  br i1 %none, label %exit, label %item",
            "item:",
@@ -837,13 +853,21 @@ def _prefill() -> str:
         out += [f"  %t{r}r = add i64 %t0, {r}",
                 f"  %tl{r} = call i64 @llvm.umin.i64(i64 %t{r}r, i64 %last)",
                 f"  %pos{r} = add i64 %prefix, %t{r}r",
-                f"  %posv{r}.i = insertelement <16 x i64> poison, i64 %pos{r}, i64 0",
-                f"  %posv{r} = shufflevector <16 x i64> %posv{r}.i, <16 x i64> poison, <16 x i32> zeroinitializer",
+                f"  %posv{r}.i = insertelement {vi} poison, i64 %pos{r}, i64 0",
+                f"  %posv{r} = shufflevector {vi} %posv{r}.i, {vi} poison, <{n} x i32> zeroinitializer",
                 f"  %qo{r}a = mul i64 %tl{r}, %qstride",
                 f"  %qo{r} = add i64 %qo{r}a, %hoff",
                 f"  %qr{r} = getelementptr float, ptr %q, i64 %qo{r}",
                 f"  %srow{r}o = mul i64 %tpad, {r}",
                 f"  %srow{r} = getelementptr float, ptr %scr, i64 %srow{r}o"]
+
+    def keys_at(name: str, base: str, half: int) -> list[str]:
+        """%name: the key positions base + half * n + 0 .. n - 1, and %name.o the first of them."""
+        return [f"  %{name}.o = add i64 {base}, {half * n}",
+                f"  %{name}.i = insertelement {vi} poison, i64 %{name}.o, i64 0",
+                f"  %{name}.s = shufflevector {vi} %{name}.i, {vi} poison, <{n} x i32> zeroinitializer",
+                f"  %{name} = add {vi} %{name}.s, %iota"]
+
     out += [f"  %endq = add i64 %pos{R - 1}, 1",
             "  %kvend = call i64 @llvm.umin.i64(i64 %endq, i64 %kvlen)",
             "  %kvend15 = add i64 %kvend, 15",
@@ -851,112 +875,135 @@ def _prefill() -> str:
             "  br label %kblock",
             # pass 1: the scores, masked, and their running max
             "kblock:",
-            "  %kb = phi i64 [0, %item], [%kb.next, %scored]"]
-    out += [f"  %mxv{r} = phi {v} [{neg}, %item], [%mxn{r}, %scored]" for r in range(R)]
+            f"  %kb = phi i64 [0, %item], [%kb.next, %{last_scored}]"]
+    out += [f"  %mxv{r}_{h} = phi {v} [{neg}, %item], [%mxn{r}_{h}, %{last_scored}]"
+            for r in range(R) for h in range(halves)]
     out += ["  %j0 = shl i64 %kb, 4",
             "  %kjo = shl i64 %j0, 6",
-            "  %ktj = getelementptr float, ptr %ktg, i64 %kjo",
-            "  br label %score",
-            "score:",
-            "  %d = phi i64 [0, %kblock], [%d.next, %score]"]
-    # two sums a row (even and odd d): eight chains of FMAs keep both FMA ports busy
-    out += [f"  %sc{r}e = phi {v} [zeroinitializer, %kblock], [%sc{r}_2, %score]" for r in range(R)]
-    out += [f"  %sc{r}o = phi {v} [zeroinitializer, %kblock], [%sc{r}_3, %score]" for r in range(R)]
-    for dd in range(4):
-        out += [f"  %dd{dd} = add i64 %d, {dd}",
-                f"  %kro{dd} = shl i64 %dd{dd}, 4",
-                f"  %krp{dd} = getelementptr float, ptr %ktj, i64 %kro{dd}",
-                f"  %kr{dd} = load {v}, ptr %krp{dd}, align 4"]
-        for r in range(R):
-            prev = (f"%sc{r}e", f"%sc{r}o")[dd] if dd < 2 else f"%sc{r}_{dd - 2}"
-            out += [f"  %qp{r}_{dd} = getelementptr float, ptr %qr{r}, i64 %dd{dd}",
-                    f"  %qs{r}_{dd} = load float, ptr %qp{r}_{dd}, align 4",
-                    *_broadcast(f"qv{r}_{dd}", f"%qs{r}_{dd}", 16),
-                    f"  %sc{r}_{dd} = call {v} @llvm.fma.v16f32({v} %qv{r}_{dd}, {v} %kr{dd}, {v} {prev})"]
-    out += ["  %d.next = add i64 %d, 4",
-            f"  %dmore = icmp ult i64 %d.next, {D}",
-            "  br i1 %dmore, label %score, label %scored",
-            "scored:",
-            "  %j0v.i = insertelement <16 x i64> poison, i64 %j0, i64 0",
-            "  %j0v = shufflevector <16 x i64> %j0v.i, <16 x i64> poison, <16 x i32> zeroinitializer",
-            "  %keys = add <16 x i64> %j0v, %iota"]
-    for r in range(R):
-        out += [f"  %sum{r} = fadd {v} %sc{r}_2, %sc{r}_3",
-                f"  %ss{r} = fmul {v} %sum{r}, %s2v",
-                f"  %late{r} = icmp ugt <16 x i64> %keys, %posv{r}",
-                f"  %sm{r} = select <16 x i1> %late{r}, {v} {neg}, {v} %ss{r}",
-                f"  %mxn{r} = call {v} @llvm.maxnum.v16f32({v} %mxv{r}, {v} %sm{r})",
-                f"  %sp{r} = getelementptr float, ptr %srow{r}, i64 %j0",
-                f"  store {v} %sm{r}, ptr %sp{r}, align 4"]
+            "  %ktj = getelementptr float, ptr %ktg, i64 %kjo"]
+    for h in range(halves):
+        out += keys_at(f"keys{h}", "%j0", h)
+    out.append("  br label %score0")
+    for g, rows in enumerate(score_groups):
+        before = "kblock" if g == 0 else f"scored{g - 1}"
+        sums = {(r, h, c): f"%sc{r}_{h}_{c}" for r in rows for h in range(halves) for c in range(chains)}
+        body = []
+        for dd in range(4):
+            body += [f"  %dd{g}_{dd} = add i64 %d{g}, {dd}",
+                     f"  %krb{g}_{dd} = shl i64 %dd{g}_{dd}, 4"]
+            for h in range(halves):
+                body += [f"  %kro{g}_{dd}_{h} = add i64 %krb{g}_{dd}, {h * n}",
+                         f"  %krp{g}_{dd}_{h} = getelementptr float, ptr %ktj, i64 %kro{g}_{dd}_{h}",
+                         f"  %kr{g}_{dd}_{h} = load {v}, ptr %krp{g}_{dd}_{h}, align 4"]
+            for r in rows:
+                body += [f"  %qp{r}_{dd} = getelementptr float, ptr %qr{r}, i64 %dd{g}_{dd}",
+                         f"  %qs{r}_{dd} = load float, ptr %qp{r}_{dd}, align 4",
+                         *_broadcast(f"qv{r}_{dd}", f"%qs{r}_{dd}", n)]
+                for h in range(halves):
+                    key = (r, h, dd % chains)
+                    new = f"%sc{r}_{h}_{dd % chains}.{dd}"
+                    body.append(f"  {new} = call {v} {fma}({v} %qv{r}_{dd}, {v} %kr{g}_{dd}_{h}, {v} {sums[key]})")
+                    sums[key] = new
+        out += [f"score{g}:", f"  %d{g} = phi i64 [0, %{before}], [%d{g}.next, %score{g}]"]
+        out += [f"  %sc{r}_{h}_{c} = phi {v} [zeroinitializer, %{before}], [{sums[(r, h, c)]}, %score{g}]"
+                for r in rows for h in range(halves) for c in range(chains)]
+        out += body
+        out += [f"  %d{g}.next = add i64 %d{g}, 4",
+                f"  %dmore{g} = icmp ult i64 %d{g}.next, {D}",
+                f"  br i1 %dmore{g}, label %score{g}, label %scored{g}",
+                f"scored{g}:"]
+        for r in rows:
+            for h in range(halves):
+                total = sums[(r, h, 0)]
+                if chains == 2:
+                    out.append(f"  %sum{r}_{h} = fadd {v} {sums[(r, h, 0)]}, {sums[(r, h, 1)]}")
+                    total = f"%sum{r}_{h}"
+                out += [f"  %ss{r}_{h} = fmul {v} {total}, %s2v",
+                        f"  %late{r}_{h} = icmp ugt {vi} %keys{h}, %posv{r}",
+                        f"  %sm{r}_{h} = select {vb} %late{r}_{h}, {v} {neg}, {v} %ss{r}_{h}",
+                        f"  %mxn{r}_{h} = call {v} @llvm.maxnum.v{n}f32({v} %mxv{r}_{h}, {v} %sm{r}_{h})",
+                        f"  %sp{r}_{h} = getelementptr float, ptr %srow{r}, i64 %keys{h}.o",
+                        f"  store {v} %sm{r}_{h}, ptr %sp{r}_{h}, align 4"]
+        if g < len(score_groups) - 1:
+            out.append(f"  br label %score{g + 1}")
     out += ["  %kb.next = add i64 %kb, 1",
             "  %kmore = icmp ult i64 %kb.next, %nkb",
             "  br i1 %kmore, label %kblock, label %maxed",
             # pass 2: the weights in place, and their sums
             "maxed:"]
     for r in range(R):
-        out += [f"  %m{r} = call nnan float @llvm.vector.reduce.fmax.v16f32({v} %mxn{r})",
-                *_broadcast(f"mv{r}", f"%m{r}", 16)]
+        top = f"%mxn{r}_0"
+        if halves == 2:
+            out.append(f"  %mxr{r} = call {v} @llvm.maxnum.v{n}f32({v} %mxn{r}_0, {v} %mxn{r}_1)")
+            top = f"%mxr{r}"
+        out += [f"  %m{r} = call nnan float @llvm.vector.reduce.fmax.v{n}f32({v} {top})",
+                *_broadcast(f"mv{r}", f"%m{r}", n)]
     out += ["  br label %weigh",
             "weigh:",
             "  %wb = phi i64 [0, %maxed], [%wb.next, %weigh]"]
-    out += [f"  %ls{r} = phi {v} [zeroinitializer, %maxed], [%lsn{r}, %weigh]" for r in range(R)]
-    out += ["  %w0 = shl i64 %wb, 4",
-            "  %w0v.i = insertelement <16 x i64> poison, i64 %w0, i64 0",
-            "  %w0v = shufflevector <16 x i64> %w0v.i, <16 x i64> poison, <16 x i32> zeroinitializer",
-            "  %wkeys = add <16 x i64> %w0v, %iota"]
+    out += [f"  %ls{r}_{h} = phi {v} [zeroinitializer, %maxed], [%lsn{r}_{h}, %weigh]"
+            for r in range(R) for h in range(halves)]
+    out.append("  %w0 = shl i64 %wb, 4")
+    for h in range(halves):
+        out += keys_at(f"wkeys{h}", "%w0", h)
     for r in range(R):
-        out += [f"  %wp{r} = getelementptr float, ptr %srow{r}, i64 %w0",
-                f"  %ws{r} = load {v}, ptr %wp{r}, align 4",
-                f"  %wd{r} = fsub {v} %ws{r}, %mv{r}",
-                *_exp2v(f"%wd{r}", f"we{r}"),
-                f"  %wlate{r} = icmp ugt <16 x i64> %wkeys, %posv{r}",
-                f"  %wz{r} = select <16 x i1> %wlate{r}, {v} zeroinitializer, {v} %we{r}",
-                f"  store {v} %wz{r}, ptr %wp{r}, align 4",
-                f"  %lsn{r} = fadd {v} %ls{r}, %wz{r}"]
+        for h in range(halves):
+            out += [f"  %wp{r}_{h} = getelementptr float, ptr %srow{r}, i64 %wkeys{h}.o",
+                    f"  %ws{r}_{h} = load {v}, ptr %wp{r}_{h}, align 4",
+                    f"  %wd{r}_{h} = fsub {v} %ws{r}_{h}, %mv{r}",
+                    *_exp2v(f"%wd{r}_{h}", f"we{r}_{h}", n),
+                    f"  %wlate{r}_{h} = icmp ugt {vi} %wkeys{h}, %posv{r}",
+                    f"  %wz{r}_{h} = select {vb} %wlate{r}_{h}, {v} zeroinitializer, {v} %we{r}_{h}",
+                    f"  store {v} %wz{r}_{h}, ptr %wp{r}_{h}, align 4",
+                    f"  %lsn{r}_{h} = fadd {v} %ls{r}_{h}, %wz{r}_{h}"]
     out += ["  %wb.next = add i64 %wb, 1",
             "  %wmore = icmp ult i64 %wb.next, %nkb",
             "  br i1 %wmore, label %weigh, label %weighed",
             "weighed:"]
-    # pass 3: the values weighted into the rows' sums, a key at a time, four rows at a time
-    groups = [list(range(a, min(R, a + 4))) for a in range(0, R, 4)]
-    for n, rows in enumerate(groups):
-        start = "weighed" if n == 0 else f"done{n - 1}"
-        out += [f"  br label %values{n}",
-                f"values{n}:",
-                f"  %vj{n} = phi i64 [0, %{start}], [%vj{n}.next, %values{n}]"]
-        out += [f"  %acc{r}_{c} = phi {v} [zeroinitializer, %{start}], [%accn{r}_{c}, %values{n}]"
-                for r in rows for c in range(D // 16)]
-        out += [f"  %vo{n} = mul i64 %vj{n}, {D}",
-                f"  %vp{n} = getelementptr float, ptr %vg, i64 %vo{n}"]
-        for c in range(D // 16):
-            out += [f"  %vc{n}_{c}.p = getelementptr float, ptr %vp{n}, i64 {16 * c}",
-                    f"  %vc{n}_{c} = load {v}, ptr %vc{n}_{c}.p, align 4"]
+    for r in range(R):
+        total = f"%lsn{r}_0"
+        if halves == 2:
+            out.append(f"  %lst{r} = fadd {v} %lsn{r}_0, %lsn{r}_1")
+            total = f"%lst{r}"
+        out += [f"  %l{r} = call reassoc float @llvm.vector.reduce.fadd.v{n}f32(float -0.0, {v} {total})",
+                f"  %inv{r} = fdiv float 1.0, %l{r}",
+                *_broadcast(f"invv{r}", f"%inv{r}", n)]
+    # pass 3: the values weighted into the rows' sums, a key at a time, a plan's group at a time
+    for k, (rows, chunks) in enumerate(value_groups):
+        start = "weighed" if k == 0 else f"done{k - 1}"
+        out += [f"  br label %values{k}",
+                f"values{k}:",
+                f"  %vj{k} = phi i64 [0, %{start}], [%vj{k}.next, %values{k}]"]
+        out += [f"  %acc{k}_{r}_{c} = phi {v} [zeroinitializer, %{start}], [%accn{k}_{r}_{c}, %values{k}]"
+                for r in rows for c in chunks]
+        out += [f"  %vo{k} = mul i64 %vj{k}, {D}",
+                f"  %vp{k} = getelementptr float, ptr %vg, i64 %vo{k}"]
+        for c in chunks:
+            out += [f"  %vc{k}_{c}.p = getelementptr float, ptr %vp{k}, i64 {n * c}",
+                    f"  %vc{k}_{c} = load {v}, ptr %vc{k}_{c}.p, align 4"]
         for r in rows:
-            out += [f"  %pj{r}.p = getelementptr float, ptr %srow{r}, i64 %vj{n}",
-                    f"  %pj{r} = load float, ptr %pj{r}.p, align 4",
-                    *_broadcast(f"pjv{r}", f"%pj{r}", 16)]
-            out += [f"  %accn{r}_{c} = call {v} @llvm.fma.v16f32({v} %pjv{r}, {v} %vc{n}_{c}, {v} %acc{r}_{c})"
-                    for c in range(D // 16)]
-        out += [f"  %vj{n}.next = add i64 %vj{n}, 1",
-                f"  %jmore{n} = icmp ult i64 %vj{n}.next, %kvend",
-                f"  br i1 %jmore{n}, label %values{n}, label %finish{n}",
-                f"finish{n}:"]
+            out += [f"  %pj{k}_{r}.p = getelementptr float, ptr %srow{r}, i64 %vj{k}",
+                    f"  %pj{k}_{r} = load float, ptr %pj{k}_{r}.p, align 4",
+                    *_broadcast(f"pjv{k}_{r}", f"%pj{k}_{r}", n)]
+            out += [f"  %accn{k}_{r}_{c} = call {v} {fma}({v} %pjv{k}_{r}, {v} %vc{k}_{c}, {v} %acc{k}_{r}_{c})"
+                    for c in chunks]
+        out += [f"  %vj{k}.next = add i64 %vj{k}, 1",
+                f"  %jmore{k} = icmp ult i64 %vj{k}.next, %kvend",
+                f"  br i1 %jmore{k}, label %values{k}, label %finish{k}",
+                f"finish{k}:"]
         for r in rows:
-            out += [f"  %l{r} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, {v} %lsn{r})",
-                    f"  %inv{r} = fdiv float 1.0, %l{r}",
-                    *_broadcast(f"invv{r}", f"%inv{r}", 16),
-                    f"  %keep{r} = icmp ult i64 %t{r}r, %tq",
-                    f"  br i1 %keep{r}, label %store{r}, label %next{r}",
-                    f"store{r}:",
-                    f"  %oo{r}a = mul i64 %t{r}r, %ostride",
-                    f"  %oo{r} = add i64 %oo{r}a, %hoff",
-                    f"  %or{r} = getelementptr float, ptr %o, i64 %oo{r}"]
-            for c in range(D // 16):
-                out += [f"  %ov{r}_{c} = fmul {v} %accn{r}_{c}, %invv{r}",
-                        f"  %op{r}_{c} = getelementptr float, ptr %or{r}, i64 {16 * c}",
-                        f"  store {v} %ov{r}_{c}, ptr %op{r}_{c}, align 4"]
-            out += [f"  br label %next{r}", f"next{r}:"]
-        out += [f"  br label %done{n}", f"done{n}:"]
+            out += [f"  %keep{k}_{r} = icmp ult i64 %t{r}r, %tq",
+                    f"  br i1 %keep{k}_{r}, label %store{k}_{r}, label %next{k}_{r}",
+                    f"store{k}_{r}:",
+                    f"  %oo{k}_{r}a = mul i64 %t{r}r, %ostride",
+                    f"  %oo{k}_{r} = add i64 %oo{k}_{r}a, %hoff",
+                    f"  %or{k}_{r} = getelementptr float, ptr %o, i64 %oo{k}_{r}"]
+            for c in chunks:
+                out += [f"  %ov{k}_{r}_{c} = fmul {v} %accn{k}_{r}_{c}, %invv{r}",
+                        f"  %op{k}_{r}_{c} = getelementptr float, ptr %or{k}_{r}, i64 {n * c}",
+                        f"  store {v} %ov{k}_{r}_{c}, ptr %op{k}_{r}_{c}, align 4"]
+            out += [f"  br label %next{k}_{r}", f"next{k}_{r}:"]
+        out += [f"  br label %done{k}", f"done{k}:"]
     out += ["  br label %stored",
             "stored:",
             "  %it.next = add i64 %it, %parts",
@@ -1700,7 +1747,7 @@ def module_ir(isa: str = "avx512", omp: bool = False) -> str:
     quantize = "".join(_quantize(act) for act in ACTS)
     tiles = ("".join(_tile(bits, act, isa) for act in ACTS for bits in TILE_BYTES) + _tiles_part()
              if isa in TILE_ISAS else "")
-    prefill = _prefill() if isa in PREFILL_ISAS else ""
+    prefill = _prefill(isa) if isa in PREFILL_ISAS else ""
     return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm() + _rotate() + _swiglu() + _write_rows()
             + _decode_layers(bool(tiles))
             + prefill + _run_on(omp and bool(tiles)) + _threads(bool(tiles), bool(prefill)))

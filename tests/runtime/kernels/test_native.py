@@ -152,15 +152,16 @@ def test_tiled_layout_needs_whole_tiles():
     assert product.tiles is None and product(torch.randn(9, 128).bfloat16()).shape == (9, 24)
 
 
-@pytest.mark.skipif(not native.prefill_available(), reason="the native prompt attention needs AVX-512 VNNI")
+@pytest.mark.skipif(not native.prefill_available(), reason="the native prompt attention needs AVX-512 VNNI or AVX2")
+@pytest.mark.parametrize("isa", [i for i in ISAS if i in native_ir.PREFILL_ISAS])  # (each plan's registers)
 @pytest.mark.parametrize(("n", "total"), [(1, 1), (3, 3), (5, 20), (16, 16), (37, 37), (100, 300), (260, 260)])
-def test_prompt_attention_is_causal_attention(n, total):
+def test_prompt_attention_is_causal_attention(isa, n, total):
     """Queries at the last n of `total` positions (the first a cached prefix), 9 heads over 3 KV
     heads, tokens strided as the model's q/k/v tensor gives them: SDPA's result with the mask."""
     gen = torch.Generator().manual_seed(n + total)
     q = torch.randn(n, 15, 64, generator=gen)[:, :9]
     k, v = torch.randn(total, 3, 64, generator=gen), torch.randn(total, 3, 64, generator=gen)
-    got = native.prefill_attention(q, k, v, 0.125).view(n, 9, 64)
+    got = native.prefill_attention(q, k, v, 0.125, isa).view(n, 9, 64)
     mask = torch.ones(n, total, dtype=torch.bool).tril(total - n)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=0.125,

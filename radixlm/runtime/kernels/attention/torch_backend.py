@@ -19,7 +19,7 @@ threads), so it stays, as it does without native bf16 (not measured), in fp32 (w
 are slower) and for short extends (`BLOCKED_MIN_QUERIES`, `BLOCKED_MIN_PAIRS`), a jump-forward's
 few tokens say, where the blocks' fixed ~0.2 ms a layer costs more than the flash kernel's call.
 
-fp32 extends of 256 queries and more, where the native kernels are compiled for AVX-512 VNNI, run
+fp32 extends of 256 queries and more, where the native kernels run (AVX-512 VNNI or AVX2), run
 on their causal prompt attention (`native.prefill_attention`: scores, weights and values in three
 passes of independent FMA chains, the keys transposed once per call).
 """
