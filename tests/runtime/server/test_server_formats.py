@@ -18,6 +18,8 @@ def test_auto_formats_reported_and_served():
     try:
         # the default model is a Q4_1 GGUF: fp32 where the native tiles run and there is no AMX
         expected = choose_dtype("auto", "cpu", cpu_flags(), native_four_bit=native.tiles_available())
+        if native.tiles_available():  # the default model's Q4_1 weights on the tiles: fp32, bf16 flags or not
+            assert expected.dtype == "float32"
         quant = choose_quantization("auto", "cpu", expected.dtype, gguf_four_bit=True, auto_dtype=True,  # Q4_1
                                     amx=amx_packing())
         for route in ("/get_server_info", "/server_info"):
