@@ -12,14 +12,14 @@ weights stay quantized. Each choice comes with the reason, logged at start and s
   (AVX2-only processors emulate bf16 matmuls, ~3x slower than fp32 at 64 rows). Without
   readable CPU flags a tiny matmul is timed in both dtypes.
 - quantization `auto`: on a CPU in bf16, a GGUF model whose linear weights are 4-bit runs from
-  them (int4 at steps of few rows, a dense copy above). In fp32 on the tiled kernels it runs from
-  them at every step, but where oneDNN multiplies bf16 in AMX tiles: there steps of more than
-  AMX_DENSE_ABOVE rows (prompts) multiply a dense bf16 copy (1.3-1.8x the tiles at a 1k prompt). In fp32 chosen by `--dtype auto` (no
-  native bf16) the same holds where the native kernels run (AVX-512 VNNI or AVX2: 4-bit blocks
-  times int8 activation blocks), with the dense copy in FBGEMM's fp16 GEMM; any other model runs
-  fp16 weights in FBGEMM's fp16 GEMM (half the bytes of fp32, fp32 accumulation; torch's
-  int4/int8 kernels have no fast fp32 path) where this torch has it. Everything else keeps dense
-  weights.
+  them (int4 at steps of few rows, a dense copy above). In fp32 chosen by `--dtype auto` it runs
+  from them where the native kernels run (AVX-512 VNNI or AVX2: 4-bit blocks times int8
+  activation blocks): at every step where the tiles run, but for steps of more than
+  AMX_DENSE_ABOVE rows (prompts) on a dense bf16 copy where oneDNN multiplies bf16 in AMX tiles
+  (1.3-1.8x the tiles at a 1k prompt); without the tiles up to a few rows, an fp16 copy in
+  FBGEMM's GEMM above. Any other model in fp32 runs fp16 weights in FBGEMM's fp16 GEMM (half the
+  bytes of fp32, fp32 accumulation; torch's int4/int8 kernels have no fast fp32 path) where this
+  torch has it. Everything else keeps dense weights.
 """
 
 from __future__ import annotations
