@@ -451,7 +451,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     assert lib.prefill is not None, "prompt attention runs with the AVX-512 VNNI or AVX2 kernels"
     with running(lib) as omp:
         # each part's scores: PREFILL_ROWS rows of the keys
-        scratch = torch.empty(max(omp, lib.workers + 1) * native_ir.PREFILL_ROWS * padded, dtype=torch.float32)
+        rows = native_ir.PREFILL_ROWS * (padded + native_ir.PREFILL_ROW_PAD)
+        scratch = torch.empty(max(omp, lib.workers + 1) * rows, dtype=torch.float32)
         lib.prefill(lib.control_address, q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
                     out.data_ptr(), heads, kv_heads, n, total - n, padded, scale / math.log(2), lib.workers, omp,
                     scratch.data_ptr())

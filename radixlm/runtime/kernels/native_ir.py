@@ -763,6 +763,10 @@ scale:
 
 
 PREFILL_ROWS = 8  # query rows (positions of one head) a native prompt-attention item takes
+# floats between the end of an item's score row and the next one's start: rows tpad floats apart
+# would be 4 KiB apart at 1,024 keys, and a pass's loads and stores at one offset of each row
+# would fall into one cache set (and alias the stores on Intel cores)
+PREFILL_ROW_PAD = 16
 PREFILL_FIELDS = ("op", "pqi", "qstride", "kti", "parts", "pvi", "pouti", "pheads", "pkvheads", "tq", "prefix",
                   "tpad", "scalebits", "pscri")
 
@@ -819,7 +823,8 @@ def _prefill(isa: str) -> str:
            "  %kt = inttoptr i64 %kti to ptr",
            "  %vv = inttoptr i64 %pvi to ptr",
            "  %o = inttoptr i64 %pouti to ptr",
-           f"  %rowsc = mul i64 %tpad, {R}",
+           f"  %rstride = add i64 %tpad, {PREFILL_ROW_PAD}",
+           f"  %rowsc = mul i64 %rstride, {R}",
            "  %scro = mul i64 %rowsc, %index",
            "  %scr0 = inttoptr i64 %pscri to ptr",
            "  %scr = getelementptr float, ptr %scr0, i64 %scro",
@@ -858,7 +863,7 @@ def _prefill(isa: str) -> str:
                 f"  %qo{r}a = mul i64 %tl{r}, %qstride",
                 f"  %qo{r} = add i64 %qo{r}a, %hoff",
                 f"  %qr{r} = getelementptr float, ptr %q, i64 %qo{r}",
-                f"  %srow{r}o = mul i64 %tpad, {r}",
+                f"  %srow{r}o = mul i64 %rstride, {r}",
                 f"  %srow{r} = getelementptr float, ptr %scr, i64 %srow{r}o"]
 
     def keys_at(name: str, base: str, half: int) -> list[str]:
