@@ -420,6 +420,28 @@ def prefill_available() -> bool:
     return isa() in native_ir.PREFILL_ISAS
 
 
+@functools.cache
+def _vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The processor's vendor_id (AuthenticAMD, GenuineIntel), or "" if unreadable."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def prefill_preferred() -> bool:
+    """Whether prompts take `prefill_attention` rather than torch's flash kernel here: with the
+    AVX-512 module wherever it runs; with the AVX2 one on AMD processors only (one layer of 1,024
+    queries: 1.6x the flash kernel on a Zen 5, 0.9x on an Intel Xeon; 256 over 2,000 keys 1.2x
+    and 0.65x; docs/benchmarks.md, "One number format for every processor")."""
+    return prefill_available() and (isa() == "avx512" or _vendor() == "AuthenticAMD")
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       isa_name: str | None = None) -> torch.Tensor:
     """Causal attention of a prompt's queries q [n, heads, 64] (fp32; heads and d contiguous,

@@ -171,6 +171,20 @@ def test_prompt_attention_is_causal_attention(isa, n, total):
         native.prefill_attention(q.bfloat16(), k, v, 0.125)
 
 
+def test_prompt_attention_preferred_per_processor(tmp_path, monkeypatch):
+    """AVX-512 wherever it runs; AVX2 on AMD processors (the vendor read from /proc/cpuinfo)."""
+    amd, intel = tmp_path / "amd", tmp_path / "intel"
+    amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n")
+    intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n")
+    vendor = native._vendor.__wrapped__
+    assert (vendor(str(amd)), vendor(str(intel)), vendor(str(tmp_path / "none"))) == ("AuthenticAMD", "GenuineIntel", "")
+    for isa, maker, preferred in [("avx512", "GenuineIntel", True), ("avx2", "AuthenticAMD", True),
+                                  ("avx2", "GenuineIntel", False), (None, "AuthenticAMD", False)]:
+        monkeypatch.setattr(native, "isa", lambda isa=isa: isa)
+        monkeypatch.setattr(native, "_vendor", lambda maker=maker: maker)
+        assert native.prefill_preferred() is preferred
+
+
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_swiglu_is_silu_times_up(rows):
     gen = torch.Generator().manual_seed(rows)

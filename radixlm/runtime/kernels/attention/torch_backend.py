@@ -19,7 +19,8 @@ threads), so it stays, as it does without native bf16 (not measured), in fp32 (w
 are slower) and for short extends (`BLOCKED_MIN_QUERIES`, `BLOCKED_MIN_PAIRS`), a jump-forward's
 few tokens say, where the blocks' fixed ~0.2 ms a layer costs more than the flash kernel's call.
 
-fp32 extends of 256 queries and more, where the native kernels run (AVX-512 VNNI or AVX2), run
+fp32 extends of 256 queries and more, where the native kernels run and are the faster (AVX-512 VNNI;
+AVX2 on AMD processors: `native.prefill_preferred`), run
 on their causal prompt attention (`native.prefill_attention`: scores, weights and values in three
 passes of independent FMA chains, the keys transposed once per call).
 """
@@ -110,7 +111,7 @@ class TorchAttention:
         self.blocks = blocked_prompts(pool.k.dtype, pool.k.device)
         # extends of fp32 prompts (head size 64) on the native kernels' causal attention, where they run
         self.native_prompts = (pool.k.dtype == torch.float32 and pool.k.device.type == "cpu" and head_dim == 64
-                               and native.prefill_available())
+                               and native.prefill_preferred())
 
     def prepare(self, meta: AttentionMeta) -> None:
         self.meta = meta
