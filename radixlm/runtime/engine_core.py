@@ -13,6 +13,7 @@ and the fourth. The in-process Engine drives `step()` from its callers; the serv
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import statistics
@@ -650,7 +651,8 @@ def number_formats(config: EngineConfig, source: ModelSource, device: torch.devi
     path = source.gguf_path  # (its share of 4-bit weights is remembered beside the converted weights)
     sharded = config.parallel.tp_size > 1
 
-    def four_bit() -> bool:
+    @functools.cache
+    def four_bit() -> bool:  # (asked for the dtype and again for the quantization: read once)
         return path is not None and four_bit_share(path, source.weights_dir) > 0.5
 
     native_four_bit = (device.type == "cpu" and mc.dtype == "auto" and mc.quantization == "auto" and not sharded

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.kernels import native_ir
+from radixlm.runtime.kernels.cpuinfo import cpuinfo_field
 
 GROUP = 32
 # the processor features each instruction set of native_ir needs (LLVM's names)
@@ -421,17 +422,9 @@ def prefill_available() -> bool:
 
 
 @functools.cache
-def _vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+def _vendor() -> str:
     """The processor's vendor_id (AuthenticAMD, GenuineIntel), or "" if unreadable."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field(("vendor_id",)) or ""
 
 
 def prefill_preferred() -> bool:

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixlm.runtime.kernels.cpuinfo import CPUINFO, cpuinfo_field
+
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # Where oneDNN multiplies bf16 in AMX tiles, a 4-bit GGUF model in fp32 keeps a dense bf16 copy
 # for steps of more rows than this (a 1k prompt 1.3-1.8x the tiles; the fused decode step takes up to
@@ -75,17 +77,10 @@ class QuantChoice:
     reason: str
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str] | None:
     """The processor's feature flags (x86 `flags`, Arm `Features`), or None if unreadable."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return None
+    value = cpuinfo_field(("flags", "Features"), cpuinfo)
+    return None if value is None else frozenset(value.split())
 
 
 def bf16_matmul_speedup() -> float:

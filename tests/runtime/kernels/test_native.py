@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from radixlm.runtime.kernels import native, native_ir
+from radixlm.runtime.kernels.cpuinfo import cpuinfo_field
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs llvmlite and AVX-512 VNNI or AVX2")
 ISAS = native.supported_isas()
@@ -176,8 +177,10 @@ def test_prompt_attention_preferred_per_processor(tmp_path, monkeypatch):
     amd, intel = tmp_path / "amd", tmp_path / "intel"
     amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n")
     intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n")
-    vendor = native._vendor.__wrapped__
-    assert (vendor(str(amd)), vendor(str(intel)), vendor(str(tmp_path / "none"))) == ("AuthenticAMD", "GenuineIntel", "")
+    def vendor(cpuinfo):  # as native._vendor reads it
+        return cpuinfo_field(("vendor_id",), cpuinfo) or ""
+
+    assert (vendor(amd), vendor(intel), vendor(tmp_path / "none")) == ("AuthenticAMD", "GenuineIntel", "")
     for isa, maker, preferred in [("avx512", "GenuineIntel", True), ("avx2", "AuthenticAMD", True),
                                   ("avx2", "GenuineIntel", False), (None, "AuthenticAMD", False)]:
         monkeypatch.setattr(native, "isa", lambda isa=isa: isa)
