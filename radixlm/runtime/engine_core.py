@@ -37,13 +37,19 @@ from radixlm.runtime.distributed.launch import Leader, WorkerSet, cpu_threads, e
 from radixlm.runtime.distributed.step import StepChannel
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
-from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.kernels.packed import amx_packing
 from radixlm.runtime.kernels.quant import GGUF_BLOCK_METHODS
 from radixlm.runtime.kernels.sampling import SamplingBatch, make_generator, sample_tokens, token_logprobs, with_logprobs
 from radixlm.runtime.model.arch import ModelArch
-from radixlm.runtime.model.formats import DtypeChoice, QuantChoice, choose_dtype, choose_quantization, cpu_flags
+from radixlm.runtime.model.formats import (
+    DtypeChoice,
+    QuantChoice,
+    choose_dtype,
+    choose_quantization,
+    cpu_flags,
+    native_tiles_run,
+)
 from radixlm.runtime.model.gguf_quant import GGUFLinears, four_bit_share
 from radixlm.runtime.model.llama import LlamaModel
 from radixlm.runtime.model.loader import build_model
@@ -656,7 +662,7 @@ def number_formats(config: EngineConfig, source: ModelSource, device: torch.devi
         return path is not None and four_bit_share(path, source.weights_dir) > 0.5
 
     native_four_bit = (device.type == "cpu" and mc.dtype == "auto" and mc.quantization == "auto" and not sharded
-                       and mc.quant_dense_above is None and native.tiles_available() and four_bit())
+                       and native_tiles_run(four_bit, mc.quant_dense_above))
     dtype = choose_dtype(mc.dtype, device.type, cpu_flags() if device.type == "cpu" else None,
                          native_four_bit=native_four_bit)
     gguf = None

@@ -124,6 +124,15 @@ def choose_dtype(requested: str, device: str, flags: frozenset[str] | None,
     return DtypeChoice("float32", f"CPU flags unreadable; a bf16 matmul timed {speedup:.2f}x fp32's speed")
 
 
+def native_tiles_run(gguf_four_bit: Callable[[], bool], dense_above: int | None) -> bool:
+    """Whether a 4-bit GGUF model's weights, kept quantized, run on the native kernels at every
+    step shape (tiled above a few rows): the tiles run here, no --quant-dense-above asks for a
+    dense copy, and the GGUF's linear weights are mostly 4-bit (asked last: it may read the file)."""
+    from radixlm.runtime.kernels import native
+
+    return dense_above is None and native.tiles_available() and gguf_four_bit()
+
+
 def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: bool,
                         dense_above: int | None = None, auto_dtype: bool = False, amx: bool = False) -> QuantChoice:
     """Whether linear weights stay quantized. `gguf_four_bit`: the model comes from a GGUF whose
@@ -150,7 +159,7 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
         return QuantChoice("none", None, "CUDA runs dense bf16 weights (its triton kernels)")
     not_four_bit = QuantChoice("none", None, "the model's weights are not 4-bit GGUF blocks")
     kernels = f"the native {native.isa()} kernels" if native.available() else "torch's int4 kernel"
-    if dtype == "float32" and auto_dtype and gguf_four_bit and native.tiles_available() and dense_above is None:
+    if dtype == "float32" and auto_dtype and native_tiles_run(lambda: gguf_four_bit, dense_above):
         if amx:
             return QuantChoice("q4", AMX_DENSE_ABOVE, f"the GGUF's 4-bit weights, used as they are for steps of up "
                                                       f"to {AMX_DENSE_ABOVE} rows ({kernels}, fp32 activations, "

@@ -14,6 +14,7 @@ from radixlm.runtime.model.formats import (
     choose_dtype,
     choose_quantization,
     cpu_flags,
+    native_tiles_run,
 )
 
 AVX2 = frozenset({"fpu", "sse4_2", "avx", "avx2", "fma"})
@@ -120,3 +121,21 @@ def test_quantization_errors():
     with pytest.raises(ValueError, match="--quantization"):
         choose_quantization("int3", "cpu", "bfloat16", True)
     assert choose_quantization("q4", "cpu", "bfloat16", True, dense_above=8).dense_above == 8
+
+
+def test_native_tiles_run_reads_the_file_last():
+    """One predicate for the dtype and the quantization: a 4-bit GGUF runs on the native tiles
+    unless a dense copy is asked for or the tiles do not run here; the GGUF's 4-bit share (a file
+    read) is asked only when the rest holds."""
+    asked: list[bool] = []
+
+    def four_bit(answer: bool):
+        def ask() -> bool:
+            asked.append(answer)
+            return answer
+        return ask
+
+    assert not native_tiles_run(four_bit(True), dense_above=8) and not asked
+    assert native_tiles_run(four_bit(True), None) == native.tiles_available()
+    assert not native_tiles_run(four_bit(False), None)
+    assert asked == ([True, False] if native.tiles_available() else [])
