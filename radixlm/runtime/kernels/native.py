@@ -451,6 +451,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         raise ValueError(f"native prompt attention takes fp32 q [n, heads, 64] (heads and d contiguous) and k, v "
                          f"[N >= n, kv_heads, 64] with kv_heads dividing heads; got q {tuple(q.shape)} {q.dtype}, "
                          f"k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}")
+    if total >= 2**31:  # (the kernel compares positions as 32-bit lanes)
+        raise ValueError(f"native prompt attention takes fewer than 2^31 positions; got {total}")
     out = torch.empty((n, heads * d), dtype=torch.float32)
     if n == 0:
         return out

@@ -172,6 +172,14 @@ def test_prompt_attention_is_causal_attention(isa, n, total):
         native.prefill_attention(q.bfloat16(), k, v, 0.125)
 
 
+def test_prompt_attention_refuses_positions_past_32_bits():
+    """The kernel compares positions as 32-bit lanes: 2^31 keys (a view of one) get a clear error
+    before anything is laid out."""
+    kv = torch.zeros(1, 3, 64).expand(2**31, 3, 64)
+    with pytest.raises(ValueError, match="2\\^31 positions"):
+        native.prefill_attention(torch.zeros(1, 9, 64), kv, kv, 0.125)
+
+
 def test_prompt_attention_preferred_per_processor(tmp_path, monkeypatch):
     """AVX-512 wherever it runs; AVX2 on AMD processors (the vendor read from /proc/cpuinfo)."""
     amd, intel = tmp_path / "amd", tmp_path / "intel"
