@@ -45,6 +45,7 @@ from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import (
     DtypeChoice,
     QuantChoice,
+    choose_attention,
     choose_dtype,
     choose_quantization,
     cpu_flags,
@@ -209,6 +210,8 @@ class EngineCore:
             "quantization": self.formats.quant.method,
             "quantization_reason": self.formats.quant.reason,
             "quant_dense_above": self.formats.quant.dense_above,
+            "attention_dtype": self.formats.attention.dtype,
+            "attention_dtype_reason": self.formats.attention.reason,
             "packed_weights": self.model.packed_weights(),
             "native_products": self.model.native_products(),
             "device": str(self.device),
@@ -647,6 +650,7 @@ class NumberFormats:
     dtype: DtypeChoice
     quant: QuantChoice
     gguf: GGUFLinears | None
+    attention: DtypeChoice  # what the CPU's native prompt attention multiplies in
 
 
 def number_formats(config: EngineConfig, source: ModelSource, device: torch.device) -> NumberFormats:
@@ -676,9 +680,11 @@ def number_formats(config: EngineConfig, source: ModelSource, device: torch.devi
         quant = choose(choose(True) != choose(False) and (native_four_bit or four_bit()))
         if path is not None and quant.method in GGUF_BLOCK_METHODS:  # the file's own blocks (int4 as it holds it)
             gguf = GGUFLinears(path)
+    attention = choose_attention(mc.dtype, dtype.dtype, device.type, source.arch.head_dim, config.attention_backend_name)
     log.info("dtype %s: %s", dtype.dtype, dtype.reason)
     log.info("quantization %s: %s", quant.method, quant.reason)
-    return NumberFormats(dtype, quant, gguf)
+    log.info("prompt attention in %s: %s", attention.dtype, attention.reason)
+    return NumberFormats(dtype, quant, gguf, attention)
 
 
 def build_runner(config: EngineConfig, source: ModelSource, device: torch.device,
@@ -696,7 +702,8 @@ def build_runner(config: EngineConfig, source: ModelSource, device: torch.device
     if group is not None:
         num_slots = group.min_host(num_slots)
     runner = ModelRunner(model, num_slots, sc.max_running_requests, ctx, config.attention_backend_name,
-                         () if config.cuda_graph.disable_cuda_graph else graph_buckets(_graph_rows(config)))
+                         () if config.cuda_graph.disable_cuda_graph else graph_buckets(_graph_rows(config)),
+                         prompt_bf16=formats.dtype.dtype == "float32" and formats.attention.dtype == "bfloat16")
     return model, runner
 
 

@@ -27,9 +27,11 @@ class ModelRunner:
         max_context: int,
         attention_backend: str = "torch",
         graph_buckets: Sequence[int] = (),
+        prompt_bf16: bool = False,
     ) -> None:
         """`graph_buckets`: decode batch sizes to capture as CUDA graphs (CUDA and a backend with
-        `bind_decode` only; empty: always eager)."""
+        `bind_decode` only; empty: always eager); `prompt_bf16`: the CPU's native prompt attention
+        multiplies in bf16 (`formats.choose_attention`)."""
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
         self.model = model
@@ -42,7 +44,8 @@ class ModelRunner:
         self.max_context = max_context
         # one row per running request, plus a scratch row for the padding rows of graph batches
         self.req_to_token = torch.zeros((max_requests + 1, max_context), dtype=torch.int64, device=self.device)
-        self.attention = ATTENTION_BACKENDS[attention_backend](self.pool, self.arch.num_heads, self.arch.head_dim)
+        self.attention = ATTENTION_BACKENDS[attention_backend](self.pool, self.arch.num_heads, self.arch.head_dim,
+                                                               prompt_bf16)
         self.leader: Leader | None = None  # set on rank 0 of a tensor-parallel engine
         self.graphs: DecodeGraphs | None = None
         self.graph_steps = 0  # steps run as a CUDA graph (the others run eager)

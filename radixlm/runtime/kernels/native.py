@@ -90,7 +90,8 @@ class _Library:
         self.isa = isa
         self.machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=features, opt=3)
         self.omp = isa in native_ir.TILE_ISAS and _bind_openmp(llvm)
-        module = llvm.parse_assembly(native_ir.module_ir(isa, omp=self.omp))
+        self.bf16 = isa == "avx512" and "+avx512bf16" in features.split(",")
+        module = llvm.parse_assembly(native_ir.module_ir(isa, omp=self.omp, bf16=self.bf16))
         module.verify()
         builder = llvm.create_pass_builder(self.machine, llvm.create_pipeline_tuning_options(speed_level=3))
         builder.getModulePassManager().run(module, builder)
@@ -106,8 +107,9 @@ class _Library:
         self.swiglu = ctypes.CFUNCTYPE(None, p, p, p, i, i, i, i)(address("swiglu"))
         self.write_rows = ctypes.CFUNCTYPE(None, p, i, p, i, p, i, i)(address("write_rows"))
         self.decode_layers = ctypes.CFUNCTYPE(None, p, p)(address("decode_layers"))
-        self.prefill = (ctypes.CFUNCTYPE(None, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, i, p)(
-            address("prefill")) if isa in native_ir.PREFILL_ISAS else None)
+        prefill = ctypes.CFUNCTYPE(None, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, i, p)
+        self.prefill = prefill(address("prefill")) if isa in native_ir.PREFILL_ISAS else None
+        self.prefill_bf16 = prefill(address("prefill_bf16")) if self.bf16 else None
         self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
         self.tiles = (ctypes.CFUNCTYPE(None, p, p, p, p, i, i, i, p, p, i)(address("tiles"))
                       if isa in native_ir.TILE_ISAS else None)
@@ -427,6 +429,12 @@ def _vendor() -> str:
     return cpuinfo_field(("vendor_id",)) or ""
 
 
+def prefill_bf16_available() -> bool:
+    """Whether `prefill_attention(bf16=True)` runs here (the AVX-512 module on a processor with
+    AVX-512 BF16)."""
+    return isa() == "avx512" and "+avx512bf16" in _host_features()
+
+
 def prefill_preferred() -> bool:
     """Whether prompts take `prefill_attention` rather than torch's flash kernel here: with the
     AVX-512 module wherever it runs; with the AVX2 one on AMD processors only (one layer of 1,024
@@ -436,13 +444,15 @@ def prefill_preferred() -> bool:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      isa_name: str | None = None) -> torch.Tensor:
+                      isa_name: str | None = None, bf16: bool = False) -> torch.Tensor:
     """Causal attention of a prompt's queries q [n, heads, 64] (fp32; heads and d contiguous,
     tokens may be strided) at the last n of the positions of k, v [N, kv_heads, 64] (fp32; N - n
     of them a cached prefix) -> [n, heads * 64]. K and V are laid out once per call as the kernel
     reads them ([kv_heads, N / 16, 64, 16] and [kv_heads, N, 64], N padded to 16); the items
     (PREFILL_ROWS positions of one head) are split between the threads (torch's OpenMP pool
-    outside a busy stretch). `isa_name`: the kernels of that instruction set (default: this process's)."""
+    outside a busy stretch). `isa_name`: the kernels of that instruction set (default: this process's).
+    `bf16` (AVX-512 BF16 processors: `prefill_bf16_available`): q, K, V and the weights rounded to
+    bf16 and multiplied in pairs into fp32 sums, as GPU attention kernels multiply."""
     n, heads, d = q.shape
     total, kv_heads = k.shape[0], k.shape[1]
     if (q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 or d != 64
@@ -453,26 +463,36 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                          f"k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}")
     if total >= 2**31:  # (the kernel compares positions as 32-bit lanes)
         raise ValueError(f"native prompt attention takes fewer than 2^31 positions; got {total}")
+    lib = library(isa_name)
+    kernel = lib.prefill_bf16 if bf16 else lib.prefill
+    if kernel is None:
+        raise ValueError("the bf16 prompt attention needs a processor with AVX-512 BF16" if bf16 else
+                         "prompt attention runs with the AVX-512 VNNI or AVX2 kernels")
     out = torch.empty((n, heads * d), dtype=torch.float32)
     if n == 0:
         return out
     padded = -(-total // 16) * 16
     # the keys in blocks of 16, each block [d, 16]: read in order (rows of a [d, N] layout N * 4
     # bytes apart fell into the same cache sets, 4 KiB apart at 1,024 keys: 7 of a layer's 11 ms)
-    keys_t = k.new_zeros(padded, kv_heads, d)
-    keys_t[:total] = k
-    keys_t = keys_t.view(padded // 16, 16, kv_heads, d).permute(2, 0, 3, 1).contiguous()
-    values = v.new_zeros(kv_heads, padded, d)
-    values[:, :total] = v.permute(1, 0, 2)
-    lib = library(isa_name)
-    assert lib.prefill is not None, "prompt attention runs with the AVX-512 VNNI or AVX2 kernels"
+    # (bf16: each key's dims in pairs [kv_heads, N / 16, 32, 16, 2], and the values' keys in pairs
+    # [kv_heads, N / 2, 64, 2], as `vdpbf16ps` multiplies them)
+    keys = k.new_zeros(padded, kv_heads, d)
+    keys[:total] = k
+    keys_t = (keys.view(padded // 16, 16, kv_heads, d // 2, 2).permute(2, 0, 3, 1, 4).to(torch.bfloat16) if bf16
+              else keys.view(padded // 16, 16, kv_heads, d).permute(2, 0, 3, 1)).contiguous()
+    values = v.new_zeros(padded, kv_heads, d)
+    values[:total] = v
+    values = (values.view(padded // 2, 2, kv_heads, d).permute(2, 0, 3, 1).to(torch.bfloat16) if bf16
+              else values.permute(1, 0, 2)).contiguous()
+    if bf16:
+        q = q.to(torch.bfloat16).contiguous()
     with running(lib) as omp:
         # each part's scores: PREFILL_ROWS rows of the keys
         rows = native_ir.PREFILL_ROWS * (padded + native_ir.PREFILL_ROW_PAD)
         scratch = torch.empty(max(omp, lib.workers + 1) * rows, dtype=torch.float32)
-        lib.prefill(lib.control_address, q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
-                    out.data_ptr(), heads, kv_heads, n, total - n, padded, scale / math.log(2), lib.workers, omp,
-                    scratch.data_ptr())
+        kernel(lib.control_address, q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
+               out.data_ptr(), heads, kv_heads, n, total - n, padded, scale / math.log(2), lib.workers, omp,
+               scratch.data_ptr())
     return out
 
 

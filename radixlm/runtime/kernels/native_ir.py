@@ -61,7 +61,7 @@ TILE_GROUPS = {"avx512": 1, "avx2": 2}
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY, OMP_PARTS = 0, 8, 9, 10
 JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
-PRODUCT, ATTENTION, TILES, QUANTIZE, NORM, PREFILL, ROTATE, SWIGLU = 0, 1, 2, 3, 4, 5, 6, 7
+PRODUCT, ATTENTION, TILES, QUANTIZE, NORM, PREFILL, ROTATE, SWIGLU, PREFILL_BF16 = 0, 1, 2, 3, 4, 5, 6, 7, 8
 PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
 TILE_FIELDS = ("op", "desci", "mpad", "yi", "parts", "taqi", "tasci")
 QUANTIZE_FIELDS = ("op", "xi", "qaqi", "qasci", "parts", "chunks", "f32")
@@ -803,23 +803,42 @@ PREFILL_PLANS: dict[str, tuple[int, list[list[int]], list[tuple[list[int], list[
 }
 
 
-def _prefill(isa: str) -> str:
+def _pair(name: str, pointer: str, offset: str) -> list[str]:
+    """%name: the two bf16 at `pointer` + `offset` bf16s (32 bits) in all 16 pairs of a <32 x bfloat>."""
+    return [f"  %{name}.p = getelementptr i16, ptr {pointer}, i64 {offset}",
+            f"  %{name}.w = load i32, ptr %{name}.p, align 4",
+            *_splat_i32(f"{name}.s", f"%{name}.w"),
+            f"  %{name} = bitcast <16 x i32> %{name}.s to <32 x bfloat>"]
+
+
+DPBF16 = "@llvm.x86.avx512bf16.dpbf16ps.512"
+
+
+def _prefill(isa: str, bf16: bool = False) -> str:
     """prefill_part(ctl, index): causal attention of a prompt's fp32 queries over the sequence's
     keys (a cached prefix, then the prompt's own), head size 64: items of PREFILL_ROWS positions of
     one query head, round-robin between the parts. Three passes over the keys an item sees, each
     with independent chains of FMAs laid out by PREFILL_PLANS[isa]: the scores (from K laid out
     [kv_head, tpad / 16, 64, 16]: a block of 16 keys is 4 KiB read in order) into the part's
     scratch rows, with their running max; the weights 2^(s - max) in place, with their sums; then
-    the values [kv_head, tpad, 64] weighted into the rows' sums."""
+    the values [kv_head, tpad, 64] weighted into the rows' sums. `bf16` (AVX-512 BF16): q, K, V
+    and the weights in bf16, multiplied in pairs by `vdpbf16ps` into fp32 sums: K laid out
+    [kv_head, tpad / 16, 32, 16, 2] (each key's dims 2i and 2i + 1 side by side), V [kv_head,
+    tpad / 2, 64, 2] (keys 2j and 2j + 1 side by side), the weights written over their scores'
+    rows as bf16; prefill_bf16 and prefill_bf16_part."""
     lanes, score_groups, value_groups = PREFILL_PLANS[isa]
     n, R, D = lanes, PREFILL_ROWS, 64
+    if bf16 and n != 16:
+        raise ValueError("the bf16 prompt attention is written for AVX-512 (16 lanes)")
+    sfx, el = ("_bf16", "i16") if bf16 else ("", "float")  # names; the element q, K and V are addressed as
+    steps = D // 2 if bf16 else D  # the scores' steps along d: pairs of dims in bf16
     # key and query positions are compared as 32-bit lanes (AVX2 has no unsigned 64-bit compare:
     # its form took several ops a vector; the attention 3% faster on AVX2, 1.5% on AVX-512)
     v, vi, vb, halves = f"<{n} x float>", f"<{n} x i32>", f"<{n} x i1>", 16 // n
     chains = 2 if halves == 1 else 1  # independent sums a (row, vector) in a pass over a block
     neg = _splat("float", n, _f32(-3.0e38))
     fma, last_scored = f"@llvm.fma.v{n}f32", f"scored{len(score_groups) - 1}"
-    out = ["define void @prefill_part(ptr %ctl, i64 %index) {",
+    out = [f"define void @prefill{sfx}_part(ptr %ctl, i64 %index) {{",
            "entry:",
            _loads("ctl", JOB, PREFILL_FIELDS),
            "  %q = inttoptr i64 %pqi to ptr",
@@ -853,10 +872,10 @@ def _prefill(isa: str) -> str:
            f"  %hoff = mul i64 %h, {D}",
            f"  %kbase = mul i64 %g, {D}",
            "  %kbt = mul i64 %kbase, %tpad",  # (a head's keys: tpad / 16 blocks of [64, 16])
-           "  %ktg = getelementptr float, ptr %kt, i64 %kbt",
+           f"  %ktg = getelementptr {el}, ptr %kt, i64 %kbt",
            "  %vgo = mul i64 %g, %tpad",
            f"  %vgo2 = mul i64 %vgo, {D}",
-           "  %vg = getelementptr float, ptr %vv, i64 %vgo2"]
+           f"  %vg = getelementptr {el}, ptr %vv, i64 %vgo2"]
     for r in range(R):
         out += [f"  %t{r}r = add i64 %t0, {r}",
                 f"  %tl{r} = call i64 @llvm.umin.i64(i64 %t{r}r, i64 %last)",
@@ -866,7 +885,7 @@ def _prefill(isa: str) -> str:
                 f"  %posv{r} = shufflevector {vi} %posv{r}.i, {vi} poison, <{n} x i32> zeroinitializer",
                 f"  %qo{r}a = mul i64 %tl{r}, %qstride",
                 f"  %qo{r} = add i64 %qo{r}a, %hoff",
-                f"  %qr{r} = getelementptr float, ptr %q, i64 %qo{r}",
+                f"  %qr{r} = getelementptr {el}, ptr %q, i64 %qo{r}",
                 f"  %srow{r}o = mul i64 %rstride, {r}",
                 f"  %srow{r} = getelementptr float, ptr %scr, i64 %srow{r}o"]
 
@@ -880,6 +899,8 @@ def _prefill(isa: str) -> str:
 
     out += [f"  %endq = add i64 %pos{R - 1}, 1",
             "  %kvend = call i64 @llvm.umin.i64(i64 %endq, i64 %kvlen)",
+            "  %kvend1 = add i64 %kvend, 1",
+            "  %kvpairs = lshr i64 %kvend1, 1",
             "  %kvend15 = add i64 %kvend, 15",
             "  %nkb = lshr i64 %kvend15, 4",
             "  br label %kblock",
@@ -890,7 +911,7 @@ def _prefill(isa: str) -> str:
             for r in range(R) for h in range(halves)]
     out += ["  %j0 = shl i64 %kb, 4",
             "  %kjo = shl i64 %j0, 6",
-            "  %ktj = getelementptr float, ptr %ktg, i64 %kjo"]
+            f"  %ktj = getelementptr {el}, ptr %ktg, i64 %kjo"]
     for h in range(halves):
         out += keys_at(f"keys{h}", "%j0", h)
     out.append("  br label %score0")
@@ -900,26 +921,32 @@ def _prefill(isa: str) -> str:
         body = []
         for dd in range(4):
             body += [f"  %dd{g}_{dd} = add i64 %d{g}, {dd}",
-                     f"  %krb{g}_{dd} = shl i64 %dd{g}_{dd}, 4"]
+                     f"  %krb{g}_{dd} = shl i64 %dd{g}_{dd}, {5 if bf16 else 4}"]
+            kvec = f"<{2 * n} x bfloat>" if bf16 else v
             for h in range(halves):
                 body += [f"  %kro{g}_{dd}_{h} = add i64 %krb{g}_{dd}, {h * n}",
-                         f"  %krp{g}_{dd}_{h} = getelementptr float, ptr %ktj, i64 %kro{g}_{dd}_{h}",
-                         f"  %kr{g}_{dd}_{h} = load {v}, ptr %krp{g}_{dd}_{h}, align 4"]
+                         f"  %krp{g}_{dd}_{h} = getelementptr {el}, ptr %ktj, i64 %kro{g}_{dd}_{h}",
+                         f"  %kr{g}_{dd}_{h} = load {kvec}, ptr %krp{g}_{dd}_{h}, align 4"]
+            if bf16:
+                body.append(f"  %dd2{g}_{dd} = shl i64 %dd{g}_{dd}, 1")
             for r in rows:
-                body += [f"  %qp{r}_{dd} = getelementptr float, ptr %qr{r}, i64 %dd{g}_{dd}",
-                         f"  %qs{r}_{dd} = load float, ptr %qp{r}_{dd}, align 4",
-                         *_broadcast(f"qv{r}_{dd}", f"%qs{r}_{dd}", n)]
+                body += (_pair(f"qv{r}_{dd}", f"%qr{r}", f"%dd2{g}_{dd}") if bf16 else
+                         [f"  %qp{r}_{dd} = getelementptr float, ptr %qr{r}, i64 %dd{g}_{dd}",
+                          f"  %qs{r}_{dd} = load float, ptr %qp{r}_{dd}, align 4",
+                          *_broadcast(f"qv{r}_{dd}", f"%qs{r}_{dd}", n)])
                 for h in range(halves):
                     key = (r, h, dd % chains)
                     new = f"%sc{r}_{h}_{dd % chains}.{dd}"
-                    body.append(f"  {new} = call {v} {fma}({v} %qv{r}_{dd}, {v} %kr{g}_{dd}_{h}, {v} {sums[key]})")
+                    dot = (f"{DPBF16}({v} {sums[key]}, {kvec} %kr{g}_{dd}_{h}, {kvec} %qv{r}_{dd})" if bf16 else
+                           f"{fma}({v} %qv{r}_{dd}, {v} %kr{g}_{dd}_{h}, {v} {sums[key]})")
+                    body.append(f"  {new} = call {v} {dot}")
                     sums[key] = new
         out += [f"score{g}:", f"  %d{g} = phi i64 [0, %{before}], [%d{g}.next, %score{g}]"]
         out += [f"  %sc{r}_{h}_{c} = phi {v} [zeroinitializer, %{before}], [{sums[(r, h, c)]}, %score{g}]"
                 for r in rows for h in range(halves) for c in range(chains)]
         out += body
         out += [f"  %d{g}.next = add i64 %d{g}, 4",
-                f"  %dmore{g} = icmp ult i64 %d{g}.next, {D}",
+                f"  %dmore{g} = icmp ult i64 %d{g}.next, {steps}",
                 f"  br i1 %dmore{g}, label %score{g}, label %scored{g}",
                 f"scored{g}:"]
         for r in rows:
@@ -964,7 +991,10 @@ def _prefill(isa: str) -> str:
                     *_exp2v(f"%wd{r}_{h}", f"we{r}_{h}", n),
                     f"  %wlate{r}_{h} = icmp ugt {vi} %wkeys{h}, %posv{r}",
                     f"  %wz{r}_{h} = select {vb} %wlate{r}_{h}, {v} zeroinitializer, {v} %we{r}_{h}",
-                    f"  store {v} %wz{r}_{h}, ptr %wp{r}_{h}, align 4",
+                    *([f"  %wzb{r}_{h} = fptrunc {v} %wz{r}_{h} to <{n} x bfloat>",
+                       f"  %wpb{r}_{h} = getelementptr i16, ptr %srow{r}, i64 %wkeys{h}.o",
+                       f"  store <{n} x bfloat> %wzb{r}_{h}, ptr %wpb{r}_{h}, align 2"] if bf16 else
+                      [f"  store {v} %wz{r}_{h}, ptr %wp{r}_{h}, align 4"]),
                     f"  %lsn{r}_{h} = fadd {v} %ls{r}_{h}, %wz{r}_{h}"]
     out += ["  %wb.next = add i64 %wb, 1",
             "  %wmore = icmp ult i64 %wb.next, %nkb",
@@ -986,19 +1016,28 @@ def _prefill(isa: str) -> str:
                 f"  %vj{k} = phi i64 [0, %{start}], [%vj{k}.next, %values{k}]"]
         out += [f"  %acc{k}_{r}_{c} = phi {v} [zeroinitializer, %{start}], [%accn{k}_{r}_{c}, %values{k}]"
                 for r in rows for c in chunks]
-        out += [f"  %vo{k} = mul i64 %vj{k}, {D}",
-                f"  %vp{k} = getelementptr float, ptr %vg, i64 %vo{k}"]
+        # (bf16: %vj counts pairs of keys; a pair past the end weighs its second key 0)
+        vvec = f"<{2 * n} x bfloat>" if bf16 else v
+        out += [f"  %vo{k} = mul i64 %vj{k}, {2 * D if bf16 else D}",
+                f"  %vp{k} = getelementptr {el}, ptr %vg, i64 %vo{k}"]
         for c in chunks:
-            out += [f"  %vc{k}_{c}.p = getelementptr float, ptr %vp{k}, i64 {n * c}",
-                    f"  %vc{k}_{c} = load {v}, ptr %vc{k}_{c}.p, align 4"]
+            out += [f"  %vc{k}_{c}.p = getelementptr {el}, ptr %vp{k}, i64 {2 * n * c if bf16 else n * c}",
+                    f"  %vc{k}_{c} = load {vvec}, ptr %vc{k}_{c}.p, align 4"]
+        if bf16:
+            out.append(f"  %vj2{k} = shl i64 %vj{k}, 1")
         for r in rows:
+            if bf16:
+                out += _pair(f"pjv{k}_{r}", f"%srow{r}", f"%vj2{k}")
+                out += [f"  %accn{k}_{r}_{c} = call {v} {DPBF16}({v} %acc{k}_{r}_{c}, {vvec} %vc{k}_{c}, "
+                        f"{vvec} %pjv{k}_{r})" for c in chunks]
+                continue
             out += [f"  %pj{k}_{r}.p = getelementptr float, ptr %srow{r}, i64 %vj{k}",
                     f"  %pj{k}_{r} = load float, ptr %pj{k}_{r}.p, align 4",
                     *_broadcast(f"pjv{k}_{r}", f"%pj{k}_{r}", n)]
             out += [f"  %accn{k}_{r}_{c} = call {v} {fma}({v} %pjv{k}_{r}, {v} %vc{k}_{c}, {v} %acc{k}_{r}_{c})"
                     for c in chunks]
         out += [f"  %vj{k}.next = add i64 %vj{k}, 1",
-                f"  %jmore{k} = icmp ult i64 %vj{k}.next, %kvend",
+                f"  %jmore{k} = icmp ult i64 %vj{k}.next, {'%kvpairs' if bf16 else '%kvend'}",
                 f"  br i1 %jmore{k}, label %values{k}, label %finish{k}",
                 f"finish{k}:"]
         for r in rows:
@@ -1023,7 +1062,8 @@ def _prefill(isa: str) -> str:
             "  ret void",
             "}",
             "",
-            "define void @prefill(ptr %ctl, ptr %q, i64 %qstride, ptr %kt, ptr %v, ptr %out, i64 %pheads, i64 %pkvheads,",
+            f"define void @prefill{sfx}(ptr %ctl, ptr %q, i64 %qstride, ptr %kt, ptr %v, ptr %out, i64 %pheads, "
+            "i64 %pkvheads,",
             "                     i64 %tq, i64 %prefix, i64 %tpad, float %scale2, i64 %workers, i64 %threads,",
             "                     ptr %scratch) {",
             "entry:",
@@ -1037,7 +1077,7 @@ def _prefill(isa: str) -> str:
             "  %pscri = ptrtoint ptr %scratch to i64",
             "  %sb32 = bitcast float %scale2 to i32",
             "  %scalebits = zext i32 %sb32 to i64",
-            _post(PREFILL, PREFILL_FIELDS),
+            _post(PREFILL_BF16 if bf16 else PREFILL, PREFILL_FIELDS),
             "  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)",
             "  ret void",
             "}"]
@@ -1374,20 +1414,22 @@ exit:
 """
 
 
-def _threads(tiles: bool, prefill: bool) -> str:
+def _threads(tiles: bool, prefill: bool, bf16: bool) -> str:
     """worker(ctl, i): run part i + 1 of each job until `stop` (every job since the control block
     was zeroed: a worker that starts after the first job was posted still runs it); run_job: post
     a job, run part 0, wait for the workers. `tiles`: the module has the tiled products;
-    `prefill`: the prompt attention."""
+    `prefill`: the prompt attention; `bf16`: its bf16 form too."""
     cases = (f"i64 {NORM}, label %rms_norm i64 {ROTATE}, label %rotate i64 {SWIGLU}, label %swiglu "
              + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize " if tiles else "")
-             + (f"i64 {PREFILL}, label %prefill " if prefill else ""))
+             + (f"i64 {PREFILL}, label %prefill " if prefill else "")
+             + (f"i64 {PREFILL_BF16}, label %prefill_bf16 " if bf16 else ""))
     blocks = ("rms_norm:\n  call void @rms_norm_part(ptr %ctl, i64 %index)\n  ret void\n"
               "rotate:\n  call void @rotate_part(ptr %ctl, i64 %index)\n  ret void\n"
               "swiglu:\n  call void @swiglu_part(ptr %ctl, i64 %index)\n  ret void\n"
               + ("tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
                  "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void\n" if tiles else "")
-              + ("prefill:\n  call void @prefill_part(ptr %ctl, i64 %index)\n  ret void\n" if prefill else ""))
+              + ("prefill:\n  call void @prefill_part(ptr %ctl, i64 %index)\n  ret void\n" if prefill else "")
+              + ("prefill_bf16:\n  call void @prefill_bf16_part(ptr %ctl, i64 %index)\n  ret void\n" if bf16 else ""))
     return f"""
 define void @worker(ptr %ctl, i64 %i) {{
 entry:
@@ -1747,17 +1789,23 @@ exit:
 """
 
 
-def module_ir(isa: str = "avx512", omp: bool = False) -> str:
+def module_ir(isa: str = "avx512", omp: bool = False, bf16: bool = False) -> str:
     """The module for processors with `isa` (one of ISAS); `omp`: the tiled products may run on
-    the OpenMP pool (GOMP_parallel, omp_get_thread_num and omp_get_num_threads resolve)."""
+    the OpenMP pool (GOMP_parallel, omp_get_thread_num and omp_get_num_threads resolve); `bf16`:
+    also the bf16 prompt attention (AVX-512 BF16 processors)."""
     if isa not in ISAS:
         raise ValueError(f"unknown instruction set {isa!r}; choose one of {', '.join(ISAS)}")
+    if bf16 and isa != "avx512":
+        raise ValueError("the bf16 prompt attention needs the AVX-512 module")
     rows = "".join(_rows(bits, m, act, isa) for act in ACTS for bits in CHUNK_BYTES for m in range(1, MAX_ROWS + 1))
     attention = _exp2() + "".join(_attend(d, act) for act in ACTS for d in HEAD_DIMS) + _attention_part()
     quantize = "".join(_quantize(act) for act in ACTS)
     tiles = ("".join(_tile(bits, act, isa) for act in ACTS for bits in TILE_BYTES) + _tiles_part()
              if isa in TILE_ISAS else "")
     prefill = _prefill(isa) if isa in PREFILL_ISAS else ""
+    if bf16:
+        prefill += (f"declare <16 x float> {DPBF16}(<16 x float>, <32 x bfloat>, <32 x bfloat>)\n"
+                    + _prefill(isa, bf16=True))
     return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm() + _rotate() + _swiglu() + _write_rows()
             + _decode_layers(bool(tiles))
-            + prefill + _run_on(omp and bool(tiles)) + _threads(bool(tiles), bool(prefill)))
+            + prefill + _run_on(omp and bool(tiles)) + _threads(bool(tiles), bool(prefill), bf16))

@@ -124,6 +124,25 @@ def choose_dtype(requested: str, device: str, flags: frozenset[str] | None,
     return DtypeChoice("float32", f"CPU flags unreadable; a bf16 matmul timed {speedup:.2f}x fp32's speed")
 
 
+def choose_attention(requested_dtype: str, dtype: str, device: str, head_dim: int, backend: str) -> DtypeChoice:
+    """The numbers the CPU's native prompt attention multiplies q, K, V and its weights in (its
+    sums are fp32 either way), where prompts run on it (fp32 activations, head size 64, the torch
+    backend, a processor that prefers it: `native.prefill_preferred`): bf16 pairs where `--dtype
+    auto` chose fp32 activations and the processor multiplies bf16 natively
+    (`native.prefill_bf16_available`): 1.5x the fp32 form's speed, 1.1-1.2x a whole 1k prompt's,
+    the rounding of GPU attention kernels (docs/engine.md, "Number formats")."""
+    from radixlm.runtime.kernels import native
+
+    if device != "cpu" or dtype != "float32" or head_dim != 64 or backend != "torch" or not native.prefill_preferred():
+        return DtypeChoice(dtype, "the model's dtype (prompts do not run on the native attention here)")
+    if requested_dtype != "auto":
+        return DtypeChoice("float32", "set by --dtype")
+    if not native.prefill_bf16_available():
+        return DtypeChoice("float32", "the processor has no native bf16 products (avx512_bf16)")
+    return DtypeChoice("bfloat16", "fp32 activations; the prompt attention multiplies bf16 pairs into fp32 "
+                                   "sums on the processor's avx512_bf16 (vdpbf16ps), as GPU attention kernels do")
+
+
 def native_tiles_run(gguf_four_bit: Callable[[], bool], dense_above: int | None) -> bool:
     """Whether a 4-bit GGUF model's weights, kept quantized, run on the native kernels at every
     step shape (tiled above a few rows): the tiles run here, no --quant-dense-above asks for a

@@ -68,6 +68,7 @@ async def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
                      info["context_length"], info["max_total_tokens"], settings.host, port)
             log.info("dtype %s: %s", info.get("dtype"), info.get("dtype_reason"))
             log.info("quantization %s: %s", info.get("quantization"), info.get("quantization_reason"))
+            log.info("prompt attention in %s: %s", info.get("attention_dtype"), info.get("attention_dtype_reason"))
             if info.get("packed_weights"):
                 log.info("%d dense bf16 weight matrices packed once for oneDNN (the same products, faster)",
                          info["packed_weights"])

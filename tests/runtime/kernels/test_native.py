@@ -172,6 +172,29 @@ def test_prompt_attention_is_causal_attention(isa, n, total):
         native.prefill_attention(q.bfloat16(), k, v, 0.125)
 
 
+@pytest.mark.skipif(not native.prefill_bf16_available(), reason="the bf16 prompt attention needs avx512_bf16")
+@pytest.mark.parametrize(("n", "total"), [(1, 1), (3, 3), (5, 20), (16, 16), (37, 37), (100, 301), (260, 260)])
+def test_bf16_prompt_attention_is_causal_attention_of_rounded_inputs(n, total):
+    """bf16 products (`vdpbf16ps`, fp32 sums): the causal attention of q, K, V rounded to bf16,
+    within the rounding of the weights to bf16 too (odd key counts: a pair's second key past the
+    end weighs 0); not the fp32 kernel's result."""
+    gen = torch.Generator().manual_seed(n + total)
+    q = torch.randn(n, 15, 64, generator=gen)[:, :9]
+    k, v = torch.randn(total, 3, 64, generator=gen), torch.randn(total, 3, 64, generator=gen)
+    got = native.prefill_attention(q, k, v, 0.125, bf16=True).view(n, 9, 64)
+    mask = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+    qr, kr, vr = (t.bfloat16().double() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qr.transpose(0, 1)[None], kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], attn_mask=mask, scale=0.125,
+        enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-2)
+    assert (got.double() - ref).abs().mean() < 2e-3
+    fp32 = native.prefill_attention(q, k, v, 0.125).view(n, 9, 64)
+    assert not torch.equal(got, fp32)
+    with pytest.raises(ValueError, match="avx512_bf16|AVX-512 BF16"):
+        native.prefill_attention(q, k, v, 0.125, "avx2", bf16=True)
+
+
 def test_prompt_attention_refuses_positions_past_32_bits():
     """The kernel compares positions as 32-bit lanes: 2^31 keys (a view of one) get a clear error
     before anything is laid out."""

@@ -11,6 +11,7 @@ from radixlm.runtime.kernels.quant import fp16_available
 from radixlm.runtime.model.formats import (
     AMX_DENSE_ABOVE,
     auto_dense_above,
+    choose_attention,
     choose_dtype,
     choose_quantization,
     cpu_flags,
@@ -139,3 +140,23 @@ def test_native_tiles_run_reads_the_file_last():
     assert native_tiles_run(four_bit(True), None) == native.tiles_available()
     assert not native_tiles_run(four_bit(False), None)
     assert asked == ([True, False] if native.tiles_available() else [])
+
+
+@pytest.mark.parametrize(("requested", "dtype", "device", "head_dim", "backend", "preferred", "bf16", "chosen", "why"), [
+    ("auto", "float32", "cpu", 64, "torch", True, True, "bfloat16", "avx512_bf16"),  # a Zen 4 serving the default model
+    ("auto", "float32", "cpu", 64, "torch", True, False, "float32", "no native bf16"),  # an Ice Lake, an AVX2 EPYC
+    ("float32", "float32", "cpu", 64, "torch", True, True, "float32", "--dtype"),  # fp32 asked for: fp32 products
+    ("auto", "bfloat16", "cpu", 64, "torch", True, True, "bfloat16", "model's dtype"),  # bf16 activations throughout
+    ("auto", "float32", "cpu", 128, "torch", True, True, "float32", "model's dtype"),  # no native kernel for 128
+    ("auto", "float32", "cpu", 64, "triton", True, True, "float32", "model's dtype"),
+    ("auto", "float32", "cpu", 64, "torch", False, True, "float32", "model's dtype"),  # AVX2 on an Intel: flash
+    ("auto", "bfloat16", "cuda", 64, "triton", False, False, "bfloat16", "model's dtype"),
+])
+def test_prompt_attention_format(monkeypatch, requested, dtype, device, head_dim, backend, preferred, bf16, chosen,
+                                 why):
+    """bf16 products in the native prompt attention only where prompts run on it, --dtype auto
+    chose fp32 activations, and the processor multiplies bf16 natively."""
+    monkeypatch.setattr(native, "prefill_preferred", lambda: preferred)
+    monkeypatch.setattr(native, "prefill_bf16_available", lambda: bf16)
+    choice = choose_attention(requested, dtype, device, head_dim, backend)
+    assert choice.dtype == chosen and why in choice.reason

@@ -8,7 +8,7 @@ from server_harness import start_server
 
 from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.packed import amx_packing, packing_available
-from radixlm.runtime.model.formats import choose_dtype, choose_quantization, cpu_flags
+from radixlm.runtime.model.formats import choose_attention, choose_dtype, choose_quantization, cpu_flags
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +22,9 @@ def test_auto_formats_reported_and_served():
             assert expected.dtype == "float32"
         quant = choose_quantization("auto", "cpu", expected.dtype, gguf_four_bit=True, auto_dtype=True,  # Q4_1
                                     amx=amx_packing())
+        attention = choose_attention("auto", expected.dtype, "cpu", 64, "torch")  # (SmolLM2: head size 64)
+        if expected.dtype == "float32" and native.prefill_bf16_available():
+            assert attention.dtype == "bfloat16"
         for route in ("/get_server_info", "/server_info"):
             status, info = server.get(route)
             engine = info["engine"]
@@ -29,6 +32,7 @@ def test_auto_formats_reported_and_served():
             assert (engine["dtype"], engine["dtype_reason"]) == (expected.dtype, expected.reason)
             assert (engine["quantization"], engine["quantization_reason"]) == (quant.method, quant.reason)
             assert engine["quant_dense_above"] == quant.dense_above
+            assert (engine["attention_dtype"], engine["attention_dtype_reason"]) == (attention.dtype, attention.reason)
             # q4 in bf16 keeps a dense copy of each of the 30 layers' 4 matrices, packed where oneDNN
             # multiplies bf16 (the head stays int8 and keeps its dense copy too); in fp32 only where
             # it does so in AMX tiles (the copy in bf16), else none
@@ -49,5 +53,6 @@ def test_auto_formats_reported_and_served():
         assert server.stop() == 0
     assert f"dtype {expected.dtype}: {expected.reason}" in log
     assert f"quantization {quant.method}: {quant.reason}" in log
+    assert f"prompt attention in {attention.dtype}: {attention.reason}" in log
     assert ("packed once for oneDNN" in log) == (packed > 0)
     assert ("native VNNI kernels" in log) == (native_products > 0)

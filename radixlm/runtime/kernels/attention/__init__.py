@@ -9,22 +9,23 @@ from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
 from radixlm.runtime.kernels.kv_pool import KVPool
 
 
-def _triton(pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
+def _triton(pool: KVPool, num_heads: int, head_dim: int, prompt_bf16: bool = False) -> AttentionBackend:
     # imported on use: triton is optional, and runs only on CUDA or under TRITON_INTERPRET=1
     from radixlm.runtime.kernels.attention.triton_backend import TritonAttention
 
     return TritonAttention(pool, num_heads, head_dim)
 
 
-def _flashinfer(pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
+def _flashinfer(pool: KVPool, num_heads: int, head_dim: int, prompt_bf16: bool = False) -> AttentionBackend:
     # imported on use: flashinfer is optional (CUDA, fp16/bf16); a ValueError says what to install
     from radixlm.runtime.kernels.attention.flashinfer_backend import FlashInferAttention
 
     return FlashInferAttention(pool, num_heads, head_dim)
 
 
-# name -> factory(pool, num_heads, head_dim)
-ATTENTION_BACKENDS: dict[str, Callable[[KVPool, int, int], AttentionBackend]] = {
+# name -> factory(pool, num_heads, head_dim, prompt_bf16): `prompt_bf16` asks the CPU's native prompt
+# attention for bf16 products (the GPU backends multiply in the pool's dtype)
+ATTENTION_BACKENDS: dict[str, Callable[[KVPool, int, int, bool], AttentionBackend]] = {
     "torch": TorchAttention,
     "triton": _triton,
     "flashinfer": _flashinfer,

@@ -31,7 +31,7 @@ class AttentionMeta:
 class AttentionBackend(Protocol):
     """Writes the new K/V of a layer into the pool, then attends over each sequence's context."""
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None: ...
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, prompt_bf16: bool = False) -> None: ...
 
     def prepare(self, meta: AttentionMeta) -> None:
         """Build per-forward index tensors once; every layer reuses them."""

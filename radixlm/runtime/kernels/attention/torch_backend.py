@@ -100,7 +100,7 @@ def blocked_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 class TorchAttention:
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, prompt_bf16: bool = False) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -112,6 +112,11 @@ class TorchAttention:
         # extends of fp32 prompts (head size 64) on the native kernels' causal attention, where they run
         self.native_prompts = (pool.k.dtype == torch.float32 and pool.k.device.type == "cpu" and head_dim == 64
                                and native.prefill_preferred())
+        # ... multiplying bf16 pairs into fp32 sums (`prompt_bf16`, where the processor has avx512_bf16)
+        if prompt_bf16 and not (self.native_prompts and native.prefill_bf16_available()):
+            raise ValueError("bf16 prompt attention runs on the native kernels of an avx512_bf16 processor, for fp32 "
+                             "activations of head size 64")
+        self.prompt_bf16 = prompt_bf16
 
     def prepare(self, meta: AttentionMeta) -> None:
         self.meta = meta
@@ -182,8 +187,8 @@ class TorchAttention:
                 blocked_extend(q[start : start + q_len], ke, ve, self.scale, out[start : start + q_len])
                 continue
             if way == "native":
-                out[start : start + q_len] = native.prefill_attention(q[start : start + q_len], ke, ve,
-                                                                      self.scale).view(q_len, self.num_heads, -1)
+                out[start : start + q_len] = native.prefill_attention(q[start : start + q_len], ke, ve, self.scale,
+                                                                      bf16=self.prompt_bf16).view(q_len, self.num_heads, -1)
                 continue
             qe = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
             ke, ve = ke.transpose(0, 1).unsqueeze(0), ve.transpose(0, 1).unsqueeze(0)
