@@ -6,7 +6,9 @@ of the sampled-from distribution over the tokens of a text, every position teach
 
 Rows: bf16 dense weights; q4 on torch's int4 kernel (bf16 activations); q4 on the native VNNI
 kernels (int8 activation blocks of 32, as at batch-1 decode), each run 4 rows a call like a decode
-step of 4; llama.cpp on the same GGUF (`logits_all`), for the peer's own error.
+step of 4; where the processor has avx512_bf16, the fp32 rows again with the prompt attention's
+products in bf16 (as `--dtype auto` serves them there: `formats.choose_attention`); llama.cpp on the
+same GGUF (`logits_all`), for the peer's own error.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def _text_ids(tokenizer, n: int) -> list[int]:
 
 
 @torch.inference_mode()
-def _logprobs(model, ids: list[int]) -> torch.Tensor:
-    runner = ModelRunner(model, num_slots=len(ids) + 8, max_requests=1, max_context=len(ids) + 8)
+def _logprobs(model, ids: list[int], prompt_bf16: bool = False) -> torch.Tensor:
+    runner = ModelRunner(model, num_slots=len(ids) + 8, max_requests=1, max_context=len(ids) + 8,
+                         prompt_bf16=prompt_bf16)
     logits = runner.forward([SeqStep(0, 0, ids, list(range(1, len(ids) + 1)), 0, prefix_slots=[])])
     return torch.log_softmax(logits.float(), -1)
 
@@ -60,15 +63,22 @@ def main() -> None:
     build = lambda dtype, quant=None: build_model(src.arch, src.weights_dir, dtype, "cpu",  # noqa: E731
                                                   max_positions=len(ids) + 8, quant=quant,
                                                   gguf=src.gguf_path if quant else None)
-    ref = _logprobs(build(torch.float32), ids)
+    dense = build(torch.float32)
+    ref = _logprobs(dense, ids)
     rows: dict[str, torch.Tensor] = {"bf16 dense": _logprobs(build(torch.bfloat16), ids)}
+    bf16_prompts = native.prefill_bf16_available()
+    if bf16_prompts:
+        rows["fp32 dense, bf16 prompt attention"] = _logprobs(dense, ids, prompt_bf16=True)
     # dense_above 4 would send a whole prompt to the dense copy: None keeps every row on the
     # quantized kernels, MAX_ROWS rows a call, each row computed as a decode step computes it
     four_bit = QuantChoice("q4", None, "accuracy")
     if native.available():
         rows["q4, native VNNI kernels (int8 activation blocks)"] = _logprobs(build(torch.bfloat16, four_bit), ids)
         # as `auto` serves where the processor has no native bf16
-        rows["q4 fp32, native kernels (int8 activation blocks)"] = _logprobs(build(torch.float32, four_bit), ids)
+        served = build(torch.float32, four_bit)
+        rows["q4 fp32, native kernels (int8 activation blocks)"] = _logprobs(served, ids)
+        if bf16_prompts:
+            rows["q4 fp32, native kernels, bf16 prompt attention"] = _logprobs(served, ids, prompt_bf16=True)
     os.environ["RADIXLM_NATIVE"] = "0"
     native.isa.cache_clear()
     rows["q4, torch's int4 kernel (bf16 activations)"] = _logprobs(build(torch.bfloat16, four_bit), ids)
