@@ -14,6 +14,8 @@ import torch
 from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import (
+    NATIVE_BF16_KEYS,
+    NATIVE_BF16_MIN_QUERIES,
     NATIVE_MIN_QUERIES,
     TorchAttention,
     blocked_extend,
@@ -44,10 +46,12 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_
 
 
 def _cached(pool: KVPool, plan: list[tuple[int, int]], d: int, dtype: torch.dtype, gen: torch.Generator,
-            free: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[int], list[int], list[int], list]:
+            free: torch.Tensor, context: int = 512
+            ) -> tuple[torch.Tensor, list[torch.Tensor], list[int], list[int], list[int], list]:
     """Each plan row's cached K/V written to the pool at the next `free` slots: (the request->slot
-    table, each row's new slots, q starts, q lengths, kv lengths, each row's cached (K, V))."""
-    table = torch.zeros((len(plan), 512), dtype=torch.int64)
+    table of `context` positions a row, each row's new slots, q starts, q lengths, kv lengths, each
+    row's cached (K, V))."""
+    table = torch.zeros((len(plan), context), dtype=torch.int64)
     history, new_slots, q_starts, q_lens, kv_lens = [], [], [], [], []
     for row, (cached, new) in enumerate(plan):
         slots, free = free[: cached + new], free[cached + new :]
@@ -126,6 +130,38 @@ def test_fp32_prompts_on_the_native_attention_match_the_reference(plan):
         part = slice(start, start + new)
         ref = _reference(q[part], torch.cat([k_old, k[part]]), torch.cat([v_old, v[part]]), cached)
         torch.testing.assert_close(out[part], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not native.prefill_bf16_available(), reason="the bf16 prompt attention needs avx512_bf16")
+def test_fp32_prompts_on_the_bf16_native_attention_match_the_reference():
+    """`prompt_bf16`: extends of 64+ queries over up to 40 keys a query (and any of 256+) on the
+    native attention's bf16 form, within bf16's rounding of the fp32 reference; the rest flash."""
+    d = 64
+    plan = [(3, 1), (0, 300), (40, 256), (0, 40), (100, 64), (2600, 64), (2000, 80)]
+    gen = torch.Generator().manual_seed(2)
+    pool = KVPool(ARCH_64, 8192, torch.float32, "cpu")
+    att = TorchAttention(pool, HEADS, d, prompt_bf16=True)
+    table, new_slots, q_starts, q_lens, kv_lens, history = _cached(pool, plan, d, torch.float32, gen,
+                                                                   torch.arange(1, 8193), context=4096)
+    total = sum(q_lens)
+    q = torch.randn(total, HEADS + 2 * KV_HEADS, d, generator=gen)[:, :HEADS]
+    k, v = (torch.randn(total, KV_HEADS, d, generator=gen) for _ in range(2))
+    att.prepare(AttentionMeta(torch.cat(new_slots), table, list(range(len(plan))), q_starts, q_lens, kv_lens))
+    assert (NATIVE_BF16_MIN_QUERIES, NATIVE_BF16_KEYS) == (64, 40)
+    assert [way for *_, way in att.extends] == ["native", "native", "flash", "native", "flash", "native"]
+    out = att.forward(0, q, k, v).view(total, HEADS, d)
+    for (cached, new), start, (k_old, v_old) in zip(plan, q_starts, history):
+        part = slice(start, start + new)
+        ref = _reference(q[part], torch.cat([k_old, k[part]]), torch.cat([v_old, v[part]]), cached)
+        torch.testing.assert_close(out[part], ref, rtol=0, atol=3e-2)
+        assert (out[part] - ref).abs().mean() < 3e-3
+
+
+def test_bf16_prompts_need_the_native_attention():
+    """bf16 products are asked only where prompts run on the native kernels with avx512_bf16."""
+    pool = KVPool(ARCH_64, 64, torch.bfloat16, "cpu")  # bf16 activations: no native prompt attention
+    with pytest.raises(ValueError, match="avx512_bf16"):
+        TorchAttention(pool, HEADS, 64, prompt_bf16=True)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])

@@ -42,6 +42,13 @@ from radixlm.runtime.kernels.kv_pool import KVPool
 # 32 queries over 1,000 keys 0.61 against 1.10 ms, 128 over 128 0.28 / 0.32; 256 over 256 1.11 / 0.75, 512 over
 # 512 4.1 / 2.6, 1,024 over 1,024 12.2 / 10.2; 256 over 2,000 9.6 / 9.4)
 NATIVE_MIN_QUERIES = 256
+# ... and in its bf16 form from this many queries, over up to NATIVE_BF16_KEYS keys a query: the layout of a
+# long prefix's keys, once a call, costs more than few queries save (Zen 4, 9 heads over 3, native bf16 / flash
+# best of 21: 64 queries over a 0 / 500 / 1,000 / 2,000 / 4,000-key prefix 0.92-1.05 / 0.71 / 0.67-0.71 /
+# 0.64-0.67 / 1.05-1.22; 128 over them 0.52-0.56 / 0.52 / 0.51 / 0.55 / 0.71-0.76; 32 over them 1.0-2.0;
+# docs/benchmarks.md, "bf16 products in the prompt attention")
+NATIVE_BF16_MIN_QUERIES = 64
+NATIVE_BF16_KEYS = 40
 EXTEND_BLOCK = 128  # queries per block of `blocked_extend`: 64 and 256 measured slower at 0.5k-4k tokens
 # below these an extend keeps the flash kernel (measured: 16 queries over 2k keys 1.12 vs 1.17 ms,
 # 32 over 532 0.51 vs 0.54, 64 over 164 0.39 vs 0.47; 32 over 2k 1.93 vs 1.32, 64 over 564 1.17 vs 0.75)
@@ -155,7 +162,7 @@ class TorchAttention:
             way = "flash"
             if self.blocks and q_len >= BLOCKED_MIN_QUERIES and q_len * kv_len >= BLOCKED_MIN_PAIRS:
                 way = "blocked"
-            elif self.native_prompts and q_len >= NATIVE_MIN_QUERIES:
+            elif self._native_extend(q_len, kv_len):
                 way = "native"
             mask = None
             if kv_len != q_len and way == "flash":  # a cached prefix: query j sees positions <= prefix + j
@@ -164,6 +171,13 @@ class TorchAttention:
                     torch.arange(q_len, device=device)[:, None] + prefix
                 )
             self.extends.append((meta.q_starts[i], q_len, kv_idx, mask, way))
+
+    def _native_extend(self, q_len: int, kv_len: int) -> bool:
+        """Whether an extend of q_len queries over kv_len keys runs on the native prompt attention."""
+        if not self.native_prompts:
+            return False
+        return q_len >= NATIVE_MIN_QUERIES or (self.prompt_bf16 and q_len >= NATIVE_BF16_MIN_QUERIES
+                                               and kv_len <= NATIVE_BF16_KEYS * q_len)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.meta.out_slots, k, v)
