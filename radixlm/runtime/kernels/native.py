@@ -110,6 +110,8 @@ class _Library:
         prefill = ctypes.CFUNCTYPE(None, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, i, p)
         self.prefill = prefill(address("prefill")) if isa in native_ir.PREFILL_ISAS else None
         self.prefill_bf16 = prefill(address("prefill_bf16")) if self.bf16 else None
+        self.layout = (ctypes.CFUNCTYPE(None, p, p, p, i, i, p, i, i, i, p, p, i, i, i)(address("layout"))
+                       if isa in native_ir.PREFILL_ISAS else None)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
         self.tiles = (ctypes.CFUNCTYPE(None, p, p, p, p, i, i, i, p, p, i)(address("tiles"))
                       if isa in native_ir.TILE_ISAS else None)
@@ -444,28 +446,36 @@ def prefill_preferred() -> bool:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      isa_name: str | None = None, bf16: bool = False) -> torch.Tensor:
+                      isa_name: str | None = None, bf16: bool = False,
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a prompt's queries q [n, heads, 64] (fp32; heads and d contiguous,
-    tokens may be strided) at the last n of the positions of k, v [N, kv_heads, 64] (fp32; N - n
-    of them a cached prefix) -> [n, heads * 64]. K and V are laid out once per call as the kernel
-    reads them ([kv_heads, N / 16, 64, 16] and [kv_heads, N, 64], N padded to 16); the items
-    (PREFILL_ROWS positions of one head) are split between the threads (torch's OpenMP pool
-    outside a busy stretch). `isa_name`: the kernels of that instruction set (default: this process's).
-    `bf16` (AVX-512 BF16 processors: `prefill_bf16_available`): q, K, V and the weights rounded to
-    bf16 and multiplied in pairs into fp32 sums, as GPU attention kernels multiply."""
+    tokens may be strided) at the last n of a sequence's N positions, whose keys and values are
+    rows `slots` (int64 [N]; None: all rows in order) of k, v [R, kv_heads, 64] (fp32; heads and d
+    contiguous, rows may be strided: a host pool's layer, K and V sharing a row), N - n of them a
+    cached prefix -> [n, heads * 64]. K and V are laid out once per call as the kernel reads them
+    (`native_ir._layout`: [kv_heads, N / 16, 64, 16] and [kv_heads, N, 64], N padded to 16); the
+    items (PREFILL_ROWS positions of one head) are split between the threads (torch's OpenMP pool
+    outside a busy stretch). `isa_name`: the kernels of that instruction set (default: this
+    process's). `bf16` (AVX-512 BF16 processors: `prefill_bf16_available`): q, K, V and the weights
+    rounded to bf16 and multiplied in pairs into fp32 sums, as GPU attention kernels multiply."""
     n, heads, d = q.shape
-    total, kv_heads = k.shape[0], k.shape[1]
+    rows, kv_heads = k.shape[0], k.shape[1]
+    total = rows if slots is None else slots.shape[0]
     if (q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 or d != 64
-            or q.stride(2) != 1 or q.stride(1) != d or k.shape != v.shape or k.shape[2] != d or total < n
-            or heads % kv_heads):
-        raise ValueError(f"native prompt attention takes fp32 q [n, heads, 64] (heads and d contiguous) and k, v "
-                         f"[N >= n, kv_heads, 64] with kv_heads dividing heads; got q {tuple(q.shape)} {q.dtype}, "
-                         f"k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}")
+            or q.stride(2) != 1 or q.stride(1) != d or k.shape != v.shape or k.shape[2] != d
+            or any(t.stride(2) != 1 or t.stride(1) != d for t in (k, v)) or total < n or heads % kv_heads):
+        raise ValueError(f"native prompt attention takes fp32 q [n, heads, 64] and k, v [R, kv_heads, 64] (heads and "
+                         f"d contiguous) with kv_heads dividing heads and at least n positions; got q "
+                         f"{tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}, "
+                         f"{total} positions")
+    if slots is not None and (slots.dtype != torch.int64 or slots.dim() != 1 or not slots.is_contiguous()
+                              or total and not 0 <= int(slots.min()) <= int(slots.max()) < rows):
+        raise ValueError(f"native prompt attention takes slots as contiguous int64 [N] rows of k and v (0..{rows - 1})")
     if total >= 2**31:  # (the kernel compares positions as 32-bit lanes)
         raise ValueError(f"native prompt attention takes fewer than 2^31 positions; got {total}")
     lib = library(isa_name)
     kernel = lib.prefill_bf16 if bf16 else lib.prefill
-    if kernel is None:
+    if kernel is None or lib.layout is None:
         raise ValueError("the bf16 prompt attention needs a processor with AVX-512 BF16" if bf16 else
                          "prompt attention runs with the AVX-512 VNNI or AVX2 kernels")
     out = torch.empty((n, heads * d), dtype=torch.float32)
@@ -476,20 +486,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     # bytes apart fell into the same cache sets, 4 KiB apart at 1,024 keys: 7 of a layer's 11 ms)
     # (bf16: each key's dims in pairs [kv_heads, N / 16, 32, 16, 2], and the values' keys in pairs
     # [kv_heads, N / 2, 64, 2], as `vdpbf16ps` multiplies them)
-    keys = k.new_zeros(padded, kv_heads, d)
-    keys[:total] = k
-    keys_t = (keys.view(padded // 16, 16, kv_heads, d // 2, 2).permute(2, 0, 3, 1, 4).to(torch.bfloat16) if bf16
-              else keys.view(padded // 16, 16, kv_heads, d).permute(2, 0, 3, 1)).contiguous()
-    values = v.new_zeros(padded, kv_heads, d)
-    values[:total] = v
-    values = (values.view(padded // 2, 2, kv_heads, d).permute(2, 0, 3, 1).to(torch.bfloat16) if bf16
-              else values.permute(1, 0, 2)).contiguous()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    keys_t = torch.empty(kv_heads * padded * d, dtype=dtype)
+    values = torch.empty(kv_heads * padded * d, dtype=dtype)
+    index = torch.arange(total) if slots is None else slots
     if bf16:
         q = q.to(torch.bfloat16).contiguous()
     with running(lib) as omp:
+        lib.layout(lib.control_address, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), index.data_ptr(),
+                   total, padded, kv_heads, keys_t.data_ptr(), values.data_ptr(), int(bf16), lib.workers, omp)
         # each part's scores: PREFILL_ROWS rows of the keys
-        rows = native_ir.PREFILL_ROWS * (padded + native_ir.PREFILL_ROW_PAD)
-        scratch = torch.empty(max(omp, lib.workers + 1) * rows, dtype=torch.float32)
+        score_rows = native_ir.PREFILL_ROWS * (padded + native_ir.PREFILL_ROW_PAD)
+        scratch = torch.empty(max(omp, lib.workers + 1) * score_rows, dtype=torch.float32)
         kernel(lib.control_address, q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
                out.data_ptr(), heads, kv_heads, n, total - n, padded, scale / math.log(2), lib.workers, omp,
                scratch.data_ptr())

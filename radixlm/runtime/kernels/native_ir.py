@@ -61,7 +61,7 @@ TILE_GROUPS = {"avx512": 1, "avx2": 2}
 # the control block (int64 slots; each group on its own cache line)
 SEQ, STOP, BUSY, OMP_PARTS = 0, 8, 9, 10
 JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
-PRODUCT, ATTENTION, TILES, QUANTIZE, NORM, PREFILL, ROTATE, SWIGLU, PREFILL_BF16 = 0, 1, 2, 3, 4, 5, 6, 7, 8
+PRODUCT, ATTENTION, TILES, QUANTIZE, NORM, PREFILL, ROTATE, SWIGLU, PREFILL_BF16, LAYOUT = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9
 PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
 TILE_FIELDS = ("op", "desci", "mpad", "yi", "parts", "taqi", "tasci")
 QUANTIZE_FIELDS = ("op", "xi", "qaqi", "qasci", "parts", "chunks", "f32")
@@ -1083,6 +1083,153 @@ def _prefill(isa: str, bf16: bool = False) -> str:
             "}"]
     return "\n".join(out) + "\n"
 
+LAYOUT_FIELDS = ("op", "ksi", "vsi", "kstride", "vstride", "idxi", "n", "padded", "kvh", "kti", "vvi", "isbf16",
+                 "parts")
+
+
+def _layout(bf16: bool) -> str:
+    """layout(ctl, ks, vs, kstride, vstride, idx, n, padded, kvh, kt, vv, bf16, workers, threads): the
+    prompt attention's K and V (`_prefill`'s layouts) from rows idx[0..n) of ks and vs (row r of
+    head h at r * stride + h * 64 floats: a host pool's layer, K and V sharing a row), the keys
+    padded to `padded` with zeros; items of 16 keys of one head split between the parts, each key
+    block's columns gathered (`bf16`: the module has the bf16 form; `isbf16` asks for it)."""
+    lanes = list(range(16))
+    rows = []
+    for i in lanes:
+        rows += [f"  %key{i} = add i64 %j0, {i}",
+                 f"  %ok{i} = icmp ult i64 %key{i}, %n",
+                 f"  %jc{i} = select i1 %ok{i}, i64 %key{i}, i64 0",  # (a key past the end reads row idx[0], masked)
+                 f"  %sp{i} = getelementptr i64, ptr %idx, i64 %jc{i}",
+                 f"  %slot{i} = load i64, ptr %sp{i}, align 8",
+                 f"  %ko{i}a = mul i64 %slot{i}, %kstride",
+                 f"  %ko{i} = add i64 %ko{i}a, %goff",
+                 f"  %kr{i} = getelementptr float, ptr %ks, i64 %ko{i}",
+                 f"  %vo{i}a = mul i64 %slot{i}, %vstride",
+                 f"  %vo{i} = add i64 %vo{i}a, %goff",
+                 f"  %vr{i} = getelementptr float, ptr %vs, i64 %vo{i}",
+                 f"  %krows{i} = insertelement <16 x ptr> {'poison' if i == 0 else f'%krows{i - 1}'}, ptr %kr{i}, "
+                 f"i64 {i}",
+                 f"  %valid{i} = insertelement <16 x i1> {'poison' if i == 0 else f'%valid{i - 1}'}, i1 %ok{i}, i64 {i}"]
+
+    def value_row(name: str, i: int) -> list[str]:
+        return [f"  %{name}l = load <64 x float>, ptr %vr{i}, align 4",
+                f"  %{name} = select i1 %ok{i}, <64 x float> %{name}l, <64 x float> zeroinitializer"]
+
+    f32 = ["kf32:",
+           "  %d = phi i64 [0, %rows], [%d.next, %kf32]",
+           "  %kpf = getelementptr float, <16 x ptr> %krows15, i64 %d",
+           "  %kvf = call <16 x float> @llvm.masked.gather.v16f32.v16p0(<16 x ptr> %kpf, i32 4, <16 x i1> %valid15, "
+           "<16 x float> zeroinitializer)",
+           "  %kof = shl i64 %blk, 6",
+           "  %kof2 = add i64 %kof, %d",
+           "  %kof3 = shl i64 %kof2, 4",
+           "  %ktf = getelementptr float, ptr %kt, i64 %kof3",
+           "  store <16 x float> %kvf, ptr %ktf, align 4",
+           "  %d.next = add i64 %d, 1",
+           "  %dmore = icmp ult i64 %d.next, 64",
+           "  br i1 %dmore, label %kf32, label %vf32",
+           "vf32:",
+           "  %vrow0 = mul i64 %g, %padded",
+           "  %vrow = add i64 %vrow0, %j0"]
+    for i in lanes:
+        f32 += [*value_row(f"vf{i}", i),
+                f"  %vfo{i}a = add i64 %vrow, {i}",
+                f"  %vfo{i} = shl i64 %vfo{i}a, 6",
+                f"  %vfp{i} = getelementptr float, ptr %vv, i64 %vfo{i}",
+                f"  store <64 x float> %vf{i}, ptr %vfp{i}, align 4"]
+    f32.append("  br label %itemdone")
+    b16: list[str] = []
+    if bf16:
+        interleave = ", ".join(f"i32 {c // 2 + 64 * (c % 2)}" for c in range(128))
+        b16 = ["kbf:",
+               "  %p = phi i64 [0, %rows], [%p.next, %kbf]",
+               "  %p2 = shl i64 %p, 1",
+               "  %kpb = getelementptr float, <16 x ptr> %krows15, i64 %p2",
+               "  %kvb = call <16 x i64> @llvm.masked.gather.v16i64.v16p0(<16 x ptr> %kpb, i32 4, <16 x i1> %valid15, "
+               "<16 x i64> zeroinitializer)",
+               "  %kvbf = bitcast <16 x i64> %kvb to <32 x float>",
+               "  %kvbb = fptrunc <32 x float> %kvbf to <32 x bfloat>",
+               "  %kob = shl i64 %blk, 5",
+               "  %kob2 = add i64 %kob, %p",
+               "  %kob3 = shl i64 %kob2, 5",
+               "  %ktb = getelementptr i16, ptr %kt, i64 %kob3",
+               "  store <32 x bfloat> %kvbb, ptr %ktb, align 2",
+               "  %p.next = add i64 %p, 1",
+               "  %pmore = icmp ult i64 %p.next, 32",
+               "  br i1 %pmore, label %kbf, label %vbf",
+               "vbf:",
+               "  %halfpad = lshr i64 %padded, 1",
+               "  %vpair0 = mul i64 %g, %halfpad",
+               "  %kb8 = shl i64 %kb, 3",
+               "  %vpair = add i64 %vpair0, %kb8"]
+        for jp in range(8):
+            b16 += [*value_row(f"va{jp}", 2 * jp), *value_row(f"vb{jp}", 2 * jp + 1),
+                    f"  %vi{jp} = shufflevector <64 x float> %va{jp}, <64 x float> %vb{jp}, <128 x i32> <{interleave}>",
+                    f"  %vib{jp} = fptrunc <128 x float> %vi{jp} to <128 x bfloat>",
+                    f"  %vbo{jp}a = add i64 %vpair, {jp}",
+                    f"  %vbo{jp} = shl i64 %vbo{jp}a, 7",
+                    f"  %vbp{jp} = getelementptr i16, ptr %vv, i64 %vbo{jp}",
+                    f"  store <128 x bfloat> %vib{jp}, ptr %vbp{jp}, align 2"]
+        b16.append("  br label %itemdone")
+    pick = ("  %wantbf = icmp ne i64 %isbf16, 0\n  br i1 %wantbf, label %kbf, label %kf32" if bf16
+            else "  br label %kf32")
+    return f"""
+declare <16 x float> @llvm.masked.gather.v16f32.v16p0(<16 x ptr>, i32, <16 x i1>, <16 x float>)
+declare <16 x i64> @llvm.masked.gather.v16i64.v16p0(<16 x ptr>, i32, <16 x i1>, <16 x i64>)
+
+define void @layout_part(ptr %ctl, i64 %index) {{
+entry:
+{_loads("ctl", JOB, LAYOUT_FIELDS)}
+  %ks = inttoptr i64 %ksi to ptr
+  %vs = inttoptr i64 %vsi to ptr
+  %idx = inttoptr i64 %idxi to ptr
+  %kt = inttoptr i64 %kti to ptr
+  %vv = inttoptr i64 %vvi to ptr
+  %nb = lshr i64 %padded, 4
+  %items = mul i64 %kvh, %nb
+{_share("items", "i0", "i1")}
+  %none = icmp uge i64 %i0, %i1
+  br i1 %none, label %exit, label %item
+item:
+  %it = phi i64 [%i0, %entry], [%it.next, %itemdone]
+  %g = udiv i64 %it, %nb
+  %kb = urem i64 %it, %nb
+  %blk0 = mul i64 %g, %nb
+  %blk = add i64 %blk0, %kb
+  %j0 = shl i64 %kb, 4
+  %goff = shl i64 %g, 6
+  br label %rows
+rows:
+{chr(10).join(rows)}
+{pick.replace(chr(92) + "n", chr(10))}
+{chr(10).join(f32)}
+{chr(10).join(b16)}
+itemdone:
+  %it.next = add i64 %it, 1
+  %imore = icmp ult i64 %it.next, %i1
+  br i1 %imore, label %item, label %exit
+exit:
+  ret void
+}}
+
+define void @layout(ptr %ctl, ptr %ks, ptr %vs, i64 %kstride, i64 %vstride, ptr %idx, i64 %n, i64 %padded, i64 %kvh,
+                    ptr %kt, ptr %vv, i64 %isbf16, i64 %workers, i64 %threads) {{
+entry:
+  %ours = add i64 %workers, 1
+  %inomp = icmp ne i64 %threads, 0
+  %parts = select i1 %inomp, i64 %threads, i64 %ours
+  %ksi = ptrtoint ptr %ks to i64
+  %vsi = ptrtoint ptr %vs to i64
+  %idxi = ptrtoint ptr %idx to i64
+  %kti = ptrtoint ptr %kt to i64
+  %vvi = ptrtoint ptr %vv to i64
+{_post(LAYOUT, LAYOUT_FIELDS)}
+  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
+  ret void
+}}
+"""
+
+
 def _write_rows() -> str:
     """write_rows(dst, drow, src, srow, slots, rows, width): copy row t of src (rows `srow` bytes
     apart) to row slots[t] of dst (rows `drow` bytes apart), `width` bytes each, on this thread."""
@@ -1421,14 +1568,15 @@ def _threads(tiles: bool, prefill: bool, bf16: bool) -> str:
     `prefill`: the prompt attention; `bf16`: its bf16 form too."""
     cases = (f"i64 {NORM}, label %rms_norm i64 {ROTATE}, label %rotate i64 {SWIGLU}, label %swiglu "
              + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize " if tiles else "")
-             + (f"i64 {PREFILL}, label %prefill " if prefill else "")
+             + (f"i64 {PREFILL}, label %prefill i64 {LAYOUT}, label %layout " if prefill else "")
              + (f"i64 {PREFILL_BF16}, label %prefill_bf16 " if bf16 else ""))
     blocks = ("rms_norm:\n  call void @rms_norm_part(ptr %ctl, i64 %index)\n  ret void\n"
               "rotate:\n  call void @rotate_part(ptr %ctl, i64 %index)\n  ret void\n"
               "swiglu:\n  call void @swiglu_part(ptr %ctl, i64 %index)\n  ret void\n"
               + ("tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
                  "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void\n" if tiles else "")
-              + ("prefill:\n  call void @prefill_part(ptr %ctl, i64 %index)\n  ret void\n" if prefill else "")
+              + ("prefill:\n  call void @prefill_part(ptr %ctl, i64 %index)\n  ret void\n"
+                 "layout:\n  call void @layout_part(ptr %ctl, i64 %index)\n  ret void\n" if prefill else "")
               + ("prefill_bf16:\n  call void @prefill_bf16_part(ptr %ctl, i64 %index)\n  ret void\n" if bf16 else ""))
     return f"""
 define void @worker(ptr %ctl, i64 %i) {{
@@ -1802,7 +1950,7 @@ def module_ir(isa: str = "avx512", omp: bool = False, bf16: bool = False) -> str
     quantize = "".join(_quantize(act) for act in ACTS)
     tiles = ("".join(_tile(bits, act, isa) for act in ACTS for bits in TILE_BYTES) + _tiles_part()
              if isa in TILE_ISAS else "")
-    prefill = _prefill(isa) if isa in PREFILL_ISAS else ""
+    prefill = _prefill(isa) + _layout(bf16) if isa in PREFILL_ISAS else ""
     if bf16:
         prefill += (f"declare <16 x float> {DPBF16}(<16 x float>, <32 x bfloat>, <32 x bfloat>)\n"
                     + _prefill(isa, bf16=True))

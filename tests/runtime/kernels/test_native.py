@@ -195,6 +195,24 @@ def test_bf16_prompt_attention_is_causal_attention_of_rounded_inputs(n, total):
         native.prefill_attention(q, k, v, 0.125, "avx2", bf16=True)
 
 
+@pytest.mark.skipif(not native.prefill_available(), reason="the native prompt attention needs AVX-512 VNNI or AVX2")
+@pytest.mark.parametrize("bf16", [False, True] if native.prefill_bf16_available() else [False])
+def test_prompt_attention_reads_pool_rows_at_slots(bf16):
+    """K and V read in place from a host pool's layer (K and V sharing a row, slots in any order):
+    the result of the same rows gathered first; slots out of range refused."""
+    gen = torch.Generator().manual_seed(5)
+    n, total = 21, 53
+    pool = torch.randn(100, 6, 64, generator=gen)  # [slots, K heads then V heads, d]
+    slots = torch.randperm(100, generator=gen)[:total]
+    q = torch.randn(n, 15, 64, generator=gen)[:, :9]
+    k, v = pool[:, :3], pool[:, 3:]
+    got = native.prefill_attention(q, k, v, 0.125, bf16=bf16, slots=slots)
+    gathered = native.prefill_attention(q, k[slots].contiguous(), v[slots].contiguous(), 0.125, bf16=bf16)
+    assert torch.equal(got, gathered)
+    with pytest.raises(ValueError, match="slots"):
+        native.prefill_attention(q, k, v, 0.125, slots=torch.tensor([0] * 30 + [100]))
+
+
 def test_prompt_attention_refuses_positions_past_32_bits():
     """The kernel compares positions as 32-bit lanes: 2^31 keys (a view of one) get a clear error
     before anything is laid out."""

@@ -42,13 +42,11 @@ from radixlm.runtime.kernels.kv_pool import KVPool
 # 32 queries over 1,000 keys 0.61 against 1.10 ms, 128 over 128 0.28 / 0.32; 256 over 256 1.11 / 0.75, 512 over
 # 512 4.1 / 2.6, 1,024 over 1,024 12.2 / 10.2; 256 over 2,000 9.6 / 9.4)
 NATIVE_MIN_QUERIES = 256
-# ... and in its bf16 form from this many queries, over up to NATIVE_BF16_KEYS keys a query: the layout of a
-# long prefix's keys, once a call, costs more than few queries save (Zen 4, 9 heads over 3, native bf16 / flash
-# best of 21: 64 queries over a 0 / 500 / 1,000 / 2,000 / 4,000-key prefix 0.92-1.05 / 0.71 / 0.67-0.71 /
-# 0.64-0.67 / 1.05-1.22; 128 over them 0.52-0.56 / 0.52 / 0.51 / 0.55 / 0.71-0.76; 32 over them 1.0-2.0;
-# docs/benchmarks.md, "bf16 products in the prompt attention")
-NATIVE_BF16_MIN_QUERIES = 64
-NATIVE_BF16_KEYS = 40
+# ... and in its bf16 form from this many queries, whatever the cached prefix (Zen 4, 9 heads over 3, native bf16
+# / flash best of 21, over a 0 / 500 / 1,000 / 2,000 / 4,000-key prefix: 16 queries 0.95 / 0.61 / 0.51 / 0.50 /
+# 0.52, 8 queries 0.90 / 0.69 / 0.63 / 0.63 / 0.61, 64 0.70 / 0.45 / 0.42 / 0.41 / 0.37; docs/benchmarks.md,
+# "bf16 products in the prompt attention")
+NATIVE_BF16_MIN_QUERIES = 16
 EXTEND_BLOCK = 128  # queries per block of `blocked_extend`: 64 and 256 measured slower at 0.5k-4k tokens
 # below these an extend keeps the flash kernel (measured: 16 queries over 2k keys 1.12 vs 1.17 ms,
 # 32 over 532 0.51 vs 0.54, 64 over 164 0.39 vs 0.47; 32 over 2k 1.93 vs 1.32, 64 over 564 1.17 vs 0.75)
@@ -162,7 +160,7 @@ class TorchAttention:
             way = "flash"
             if self.blocks and q_len >= BLOCKED_MIN_QUERIES and q_len * kv_len >= BLOCKED_MIN_PAIRS:
                 way = "blocked"
-            elif self._native_extend(q_len, kv_len):
+            elif self._native_extend(q_len):
                 way = "native"
             mask = None
             if kv_len != q_len and way == "flash":  # a cached prefix: query j sees positions <= prefix + j
@@ -172,12 +170,11 @@ class TorchAttention:
                 )
             self.extends.append((meta.q_starts[i], q_len, kv_idx, mask, way))
 
-    def _native_extend(self, q_len: int, kv_len: int) -> bool:
-        """Whether an extend of q_len queries over kv_len keys runs on the native prompt attention."""
+    def _native_extend(self, q_len: int) -> bool:
+        """Whether an extend of q_len queries runs on the native prompt attention."""
         if not self.native_prompts:
             return False
-        return q_len >= NATIVE_MIN_QUERIES or (self.prompt_bf16 and q_len >= NATIVE_BF16_MIN_QUERIES
-                                               and kv_len <= NATIVE_BF16_KEYS * q_len)
+        return q_len >= (NATIVE_BF16_MIN_QUERIES if self.prompt_bf16 else NATIVE_MIN_QUERIES)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.meta.out_slots, k, v)
@@ -197,13 +194,15 @@ class TorchAttention:
         if self.decode_tokens is not None:
             out.view(q.shape[0], -1)[self.decode_tokens] = self._decode(layer, q[self.decode_tokens])
         for start, q_len, kv_idx, mask, way in self.extends:
+            if way == "native":  # (it reads the pool's rows itself)
+                pk, pv = self._layer(layer)
+                out[start : start + q_len] = native.prefill_attention(
+                    q[start : start + q_len], pk, pv, self.scale, bf16=self.prompt_bf16, slots=kv_idx
+                ).view(q_len, self.num_heads, -1)
+                continue
             ke, ve = self._gather(layer, kv_idx)
             if way == "blocked":
                 blocked_extend(q[start : start + q_len], ke, ve, self.scale, out[start : start + q_len])
-                continue
-            if way == "native":
-                out[start : start + q_len] = native.prefill_attention(q[start : start + q_len], ke, ve, self.scale,
-                                                                      bf16=self.prompt_bf16).view(q_len, self.num_heads, -1)
                 continue
             qe = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
             ke, ve = ke.transpose(0, 1).unsqueeze(0), ve.transpose(0, 1).unsqueeze(0)
@@ -223,6 +222,14 @@ class TorchAttention:
             heads = both.shape[1] // 2
             return both[:, :heads], both[:, heads:]
         return pool.k_layers[layer].index_select(0, slots), pool.v_layers[layer].index_select(0, slots)
+
+    def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's K and V of `layer`, [slots, kv_heads, d] each (views: a host pool's halves)."""
+        pool = self.pool
+        if pool.kv_layers is not None:
+            heads = pool.kv_layers[layer].shape[1] // 2
+            return pool.kv_layers[layer][:, :heads], pool.kv_layers[layer][:, heads:]
+        return pool.k_layers[layer], pool.v_layers[layer]
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of the decode queries q [B, heads, d] -> [B, heads * d]."""
