@@ -22,8 +22,9 @@ few tokens say, where the blocks' fixed ~0.2 ms a layer costs more than the flas
 fp32 extends of 256 queries and more, where the native kernels run and are the faster (AVX-512 VNNI;
 AVX2 on AMD processors: `native.prefill_preferred`), run
 on their causal prompt attention (`native.prefill_attention`: scores, weights and values in three
-passes of independent FMA chains, the keys transposed once per call), its products in bf16 pairs
-with fp32 sums where `formats.choose_attention` says so (`prompt_bf16`: avx512_bf16, --dtype auto).
+passes of independent FMA chains, the pool's K and V rows laid out once per call by the kernels),
+its products in bf16 pairs with fp32 sums where `formats.choose_attention` says so (`prompt_bf16`:
+avx512_bf16, --dtype auto), and then for extends from 16 queries (`NATIVE_BF16_MIN_QUERIES`).
 """
 
 from __future__ import annotations
