@@ -103,7 +103,7 @@ class _Library:
         self.attention = ctypes.CFUNCTYPE(None, p, p, i, p, i, p, i, p, p, i, i, i, ctypes.c_float, p, i, i, i, i)(
             address("attention"))
         self.norm = ctypes.CFUNCTYPE(None, p, p, p, p, i, ctypes.c_float, i, i, i)(address("rms_norm"))
-        self.rotate = ctypes.CFUNCTYPE(None, p, p, p, p, p, i, i, i, i)(address("rotate"))
+        self.rotate = ctypes.CFUNCTYPE(None, p, p, p, p, p, i, i, i, i, i, i)(address("rotate"))
         self.swiglu = ctypes.CFUNCTYPE(None, p, p, p, i, i, i, i)(address("swiglu"))
         self.write_rows = ctypes.CFUNCTYPE(None, p, i, p, i, p, i, i)(address("write_rows"))
         self.decode_layers = ctypes.CFUNCTYPE(None, p, p)(address("decode_layers"))
@@ -504,20 +504,22 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + roll(x, d / 2, -1) * sin for contiguous fp32 x, cos, sin of one shape [..., d]
-    (d 64 or 128): the rotary embedding in one pass, each product rounded as torch rounds it."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    """For contiguous fp32 x [T, heads, d] (d 64 or 128) and a token's cos and sin [T, 1, d]: x * cos
+    + roll(x, d / 2, -1) * sin for each token's first `rot` heads (the rotary embedding of its q and
+    k, each product rounded as torch rounds it), the rest (its v) as they are; in one pass."""
     d = x.shape[-1]
     if (x.dtype != torch.float32 or cos.dtype != x.dtype or sin.dtype != x.dtype or d not in native_ir.HEAD_DIMS
-            or cos.shape != x.shape or sin.shape != x.shape
+            or x.dim() != 3 or cos.shape != (x.shape[0], 1, d) or sin.shape != cos.shape or not 0 <= rot <= x.shape[1]
             or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())):
-        raise ValueError(f"the native rotation takes contiguous fp32 x, cos, sin of one shape [..., 64 or 128]; got "
-                         f"{tuple(x.shape)} {x.dtype}, {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
+        raise ValueError(f"the native rotation takes contiguous fp32 x [T, heads, 64 or 128], cos and sin [T, 1, d] and "
+                         f"at most `heads` heads to rotate; got {tuple(x.shape)} {x.dtype}, {tuple(cos.shape)} "
+                         f"{cos.dtype}, {tuple(sin.shape)} {sin.dtype}, {rot}")
     y = torch.empty_like(x)
     lib = library()
     with running(lib) as omp:
-        lib.rotate(lib.control_address, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), d, x.numel() // d,
-                   lib.workers, omp)
+        lib.rotate(lib.control_address, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), d, x.shape[1], rot,
+                   x.numel() // d, lib.workers, omp)
     return y
 
 

@@ -1294,15 +1294,27 @@ col:
 
 
 def _rotate() -> str:
-    """rotate(ctl, x, cos, sin, y, dim, rows, workers, threads): y = x * cos + roll(x, dim / 2) * sin
-    for fp32 rows of dim 64 or 128 (the rotary embedding over a token's heads, `RotaryBatch.rotate`),
-    each product rounded, then the sum: the same values as those three torch ops."""
+    """rotate(ctl, x, cos, sin, y, dim, heads, rot, rows, workers, threads): for fp32 rows of dim 64 or
+    128, `heads` a token (rows = tokens * heads), y = x * cos + roll(x, dim / 2) * sin for a token's
+    first `rot` heads (its q and k: the rotary embedding, `RotaryBatch.rotate`) with the token's row
+    of cos and sin, each product rounded, then the sum (the same values as those three torch ops);
+    y = x for the rest (its v)."""
     v = "<16 x float>"
     out = ["  %ro = mul i64 %r, %dim",
            "  %xr = getelementptr float, ptr %x, i64 %ro",
-           "  %cr = getelementptr float, ptr %c, i64 %ro",
-           "  %sr = getelementptr float, ptr %s, i64 %ro",
            "  %yr = getelementptr float, ptr %y, i64 %ro",
+           "  %tok = udiv i64 %r, %heads",
+           "  %head = urem i64 %r, %heads",
+           "  %to = mul i64 %tok, %dim",
+           "  %cr = getelementptr float, ptr %c, i64 %to",
+           "  %sr = getelementptr float, ptr %s, i64 %to",
+           "  %turn = icmp ult i64 %head, %rot",
+           "  br i1 %turn, label %turned, label %kept",
+           "kept:",
+           "  %width = shl i64 %dim, 2",
+           "  call void @llvm.memcpy.p0.p0.i64(ptr %yr, ptr %xr, i64 %width, i1 false)",
+           "  br label %rowdone",
+           "turned:",
            "  br i1 %wide, label %d128, label %d64"]
     for dim in (64, 128):
         nv = dim // 16
@@ -1321,7 +1333,8 @@ def _rotate() -> str:
                     f"  %y{dim}_{i}.p = getelementptr float, ptr %yr, i64 {16 * i}",
                     f"  store {v} %o{dim}_{i}, ptr %y{dim}_{i}.p, align 4"]
         out.append("  br label %rowdone")
-    return _row_job("rotate", ROTATE, (("x", "ptr"), ("c", "ptr"), ("s", "ptr"), ("y", "ptr"), ("dim", "i64")),
+    return _row_job("rotate", ROTATE, (("x", "ptr"), ("c", "ptr"), ("s", "ptr"), ("y", "ptr"), ("dim", "i64"),
+                                       ("heads", "i64"), ("rot", "i64")),
                     ROTATE_ALONE, "  %wide = icmp eq i64 %dim, 128", "\n".join(out))
 
 
@@ -1424,8 +1437,8 @@ layer:
                       i64 %workers, i64 0)
   call void @matmul(ptr %ctl, i64 %qkvdesc, i64 %qkvtiles, ptr %x.s, ptr %qkv.s, i64 %m, i64 %mpad, i64 %workers,
                     ptr %tvals.s, ptr %tscales.s)
-  call void @rotate(ptr %ctl, ptr %qkv.s, ptr %cos.s, ptr %sin.s, ptr %rot.s, i64 %d, i64 %rotrows, i64 %workers,
-                    i64 0)
+  call void @rotate(ptr %ctl, ptr %qkv.s, ptr %cos.s, ptr %sin.s, ptr %rot.s, i64 %d, i64 %allheads2, i64 %allheads,
+                    i64 %rotrows, i64 %workers, i64 0)
   call void @write_rows(ptr %kv, i64 %kvbytes, ptr %krot, i64 %rowbytes, ptr %slots.s, i64 %m, i64 %kvbytes)
   call void @attention(ptr %ctl, ptr %rot.s, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx.s, i64 %maxkv,
                        ptr %lens.s, ptr %att.s, i64 %items, i64 %heads, i64 %kvheads, float %scale, ptr %scratch.s,

@@ -111,8 +111,7 @@ class FusedDecode:
         m = h.shape[0]
         residual = h.contiguous()
         buffers = self._buffers(m)
-        cos, sin = rotary.tables_with_values(self.heads + self.kv_heads, self.kv_heads)
-        cos, sin = cos.contiguous(), sin.contiguous()
+        cos, sin = rotary.cos.contiguous(), rotary.sin.contiguous()  # (a token's row: `native_ir._rotate`)
         slots = backend.meta.out_slots.contiguous()
         idx, lens = backend.decode_kv_idx.contiguous(), backend.decode_lens.contiguous()
         longest = idx.numel() // m

@@ -423,7 +423,6 @@ class LlamaModel(nn.Module):
         keep = logit_rows if logit_rows is not None and logit_rows.numel() < rows else None
         # q and k rotated with v in one tensor, whose K and V heads the backend stores in one copy
         assert isinstance(backend, TorchAttention), "off CUDA the layers run on the torch attention backend"
-        cos, sin = rotary.tables_with_values(qk_heads, a.num_kv_heads)
         for layer in layers:
             qkv_proj, o_proj, gate_up_proj, down_proj = layer.few if rows <= layer.few_rows else layer.linears
             if layer.index > 0:
@@ -431,7 +430,7 @@ class LlamaModel(nn.Module):
             x = stream.norm(layer.norm1, layer.eps1)
             qkv = qkv_proj(x)
             heads = qkv.view(rows, qk_heads + a.num_kv_heads, a.head_dim)  # q, k, v heads
-            rotated = rotary.rotate(heads, cos, sin)
+            rotated = rotary.rotate(heads, qk_heads)
             attended = backend.forward_joined(layer.index, rotated[:, : a.num_heads], rotated[:, a.num_heads :])
             if keep is not None and layer is layers[-1]:
                 attended = attended[keep]

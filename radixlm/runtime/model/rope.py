@@ -79,30 +79,22 @@ class RotaryBatch:
             q, k = qk[:, :num_heads], qk[:, num_heads:]
             fused.rotary_(q, k, self.positions, self.cos, self.sin)
             return q, k
-        rotated = self.rotate(qk, self.cos, self.sin)
+        rotated = self.rotate(qk, qk.shape[1])
         return rotated[:, :num_heads], rotated[:, num_heads:]
 
-    def tables_with_values(self, qk_heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Off CUDA: cos and signed sin [T, qk_heads + kv_heads, d] for `rotate` over all of a
-        token's q, k and v heads: the q/k tables, then 1 and 0 for the V heads, which the rotation
-        then leaves as they are (v * 1 + w * 0 = v for finite values). The CPU layer loop rotates
-        the q/k/v projection so, in one tensor whose K and V heads stay side by side."""
-        t, _, d = self.cos.shape
-        ones = torch.ones(t, kv_heads, d, dtype=self.cos.dtype, device=self.cos.device)
-        cos = torch.cat([self.cos.expand(t, qk_heads, d), ones], 1)
-        sin = torch.cat([self.sin.expand(t, qk_heads, d), torch.zeros_like(ones)], 1)
-        return cos, sin
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x * cos + swap_halves(x) * signed_sin, each product rounded as `apply_rotary` rounds; in
-        fp32 on the native kernels where they run (one pass, the same values: at 1,024 tokens of
-        the default model ~0.35 against ~2 ms a layer on a 2-core Ice Lake)."""
+    def rotate(self, x: torch.Tensor, rot: int) -> torch.Tensor:
+        """Off CUDA: a token's q/k/v heads x [T, heads, d] with its first `rot` heads (q and k)
+        rotated, x * cos + swap_halves(x) * signed_sin, each product rounded as `apply_rotary`
+        rounds, and the rest (v) as they are. The CPU layer loop rotates the q/k/v projection so,
+        in one tensor whose K and V heads stay side by side. In fp32 on the native kernels where
+        they run (one pass over x, the tables a token's row)."""
+        cos, sin = self.cos, self.sin
         if (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] in native_ir.HEAD_DIMS
-                and x.shape == cos.shape == sin.shape and x.is_contiguous() and cos.is_contiguous()
-                and sin.is_contiguous() and native.available()):
-            return native.rotate(x, cos, sin)
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+                and x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and native.available()):
+            return native.rotate(x, cos, sin, rot)
+        turned = x[:, :rot]
+        turned = turned * cos + turned.roll(x.shape[-1] // 2, -1) * sin
+        return turned if rot == x.shape[1] else torch.cat([turned, x[:, rot:]], 1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

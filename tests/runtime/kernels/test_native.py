@@ -213,6 +213,15 @@ def test_prompt_attention_reads_pool_rows_at_slots(bf16):
         native.prefill_attention(q, k, v, 0.125, slots=torch.tensor([0] * 30 + [100]))
 
 
+def test_rotation_takes_a_tokens_row_of_the_tables():
+    """cos and sin are one row a token ([T, 1, d]), not one a head; at most all heads rotate."""
+    x = torch.zeros(4, 10, 64)
+    with pytest.raises(ValueError, match="cos and sin"):
+        native.rotate(x, torch.zeros(4, 10, 64), torch.zeros(4, 10, 64), 8)
+    with pytest.raises(ValueError, match="heads to rotate"):
+        native.rotate(x, torch.zeros(4, 1, 64), torch.zeros(4, 1, 64), 11)
+
+
 def test_prompt_attention_refuses_positions_past_32_bits():
     """The kernel compares positions as 32-bit lanes: 2^31 keys (a view of one) get a clear error
     before anything is laid out."""

@@ -27,8 +27,7 @@ def test_rotation_with_values_equals_q_k_rotation_and_keeps_v(dtype, head_dim):
     heads = (torch.randn(len(positions), 6 + 2 + 2, head_dim, generator=gen) * 3).to(dtype)
     heads[0, 9, :4] = torch.tensor([-0.0, 0.0, 1e-30, -2.5])  # signed zeros, a tiny value
     q, k = batch.apply(heads[:, :8], 6)
-    cos, sin = batch.tables_with_values(8, 2)
-    rotated = batch.rotate(heads, cos, sin)
+    rotated = batch.rotate(heads, 8)
     assert torch.equal(rotated[:, :6], q) and torch.equal(rotated[:, 6:8], k)
     assert torch.equal(rotated[:, 8:], heads[:, 8:])  # the V heads as they were
     cos_t, sin_t = rope.tables(positions, dtype)
