@@ -490,14 +490,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     keys_t = torch.empty(kv_heads * padded * d, dtype=dtype)
     values = torch.empty(kv_heads * padded * d, dtype=dtype)
     index = torch.arange(total) if slots is None else slots
-    if bf16:
-        q = q.to(torch.bfloat16).contiguous()
     with running(lib) as omp:
         lib.layout(lib.control_address, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), index.data_ptr(),
                    total, padded, kv_heads, keys_t.data_ptr(), values.data_ptr(), int(bf16), lib.workers, omp)
-        # each part's scores: PREFILL_ROWS rows of the keys
-        score_rows = native_ir.PREFILL_ROWS * (padded + native_ir.PREFILL_ROW_PAD)
-        scratch = torch.empty(max(omp, lib.workers + 1) * score_rows, dtype=torch.float32)
+        # each part's scores: PREFILL_ROWS rows of the keys, then (bf16) its item's queries
+        part = native_ir.PREFILL_ROWS * (padded + native_ir.PREFILL_ROW_PAD) + native_ir.PREFILL_Q_SCRATCH
+        scratch = torch.empty(max(omp, lib.workers + 1) * part, dtype=torch.float32)
         kernel(lib.control_address, q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
                out.data_ptr(), heads, kv_heads, n, total - n, padded, scale / math.log(2), lib.workers, omp,
                scratch.data_ptr())

@@ -767,6 +767,8 @@ PREFILL_ROWS = 8  # query rows (positions of one head) a native prompt-attention
 # would be 4 KiB apart at 1,024 keys, and a pass's loads and stores at one offset of each row
 # would fall into one cache set (and alias the stores on Intel cores)
 PREFILL_ROW_PAD = 16
+# floats of a part's scratch after its score rows: the bf16 form's item's queries, rounded once an item
+PREFILL_Q_SCRATCH = PREFILL_ROWS * 64 // 2
 PREFILL_FIELDS = ("op", "pqi", "qstride", "kti", "parts", "pvi", "pouti", "pheads", "pkvheads", "tq", "prefix",
                   "tpad", "scalebits", "pscri")
 
@@ -825,7 +827,8 @@ def _prefill(isa: str, bf16: bool = False) -> str:
     and the weights in bf16, multiplied in pairs by `vdpbf16ps` into fp32 sums: K laid out
     [kv_head, tpad / 16, 32, 16, 2] (each key's dims 2i and 2i + 1 side by side), V [kv_head,
     tpad / 2, 64, 2] (keys 2j and 2j + 1 side by side), the weights written over their scores'
-    rows as bf16; prefill_bf16 and prefill_bf16_part."""
+    rows as bf16, an item's fp32 queries rounded into the part's scratch after its score rows
+    (PREFILL_Q_SCRATCH); prefill_bf16 and prefill_bf16_part."""
     lanes, score_groups, value_groups = PREFILL_PLANS[isa]
     n, R, D = lanes, PREFILL_ROWS, 64
     if bf16 and n != 16:
@@ -847,9 +850,11 @@ def _prefill(isa: str, bf16: bool = False) -> str:
            "  %o = inttoptr i64 %pouti to ptr",
            f"  %rstride = add i64 %tpad, {PREFILL_ROW_PAD}",
            f"  %rowsc = mul i64 %rstride, {R}",
-           "  %scro = mul i64 %rowsc, %index",
+           f"  %partsc = add i64 %rowsc, {PREFILL_Q_SCRATCH}",
+           "  %scro = mul i64 %partsc, %index",
            "  %scr0 = inttoptr i64 %pscri to ptr",
            "  %scr = getelementptr float, ptr %scr0, i64 %scro",
+           "  %qscr = getelementptr float, ptr %scr, i64 %rowsc",
            "  %s32 = trunc i64 %scalebits to i32",
            "  %scale2 = bitcast i32 %s32 to float",
            *_broadcast("s2v", "%scale2", n),
@@ -885,7 +890,12 @@ def _prefill(isa: str, bf16: bool = False) -> str:
                 f"  %posv{r} = shufflevector {vi} %posv{r}.i, {vi} poison, <{n} x i32> zeroinitializer",
                 f"  %qo{r}a = mul i64 %tl{r}, %qstride",
                 f"  %qo{r} = add i64 %qo{r}a, %hoff",
-                f"  %qr{r} = getelementptr {el}, ptr %q, i64 %qo{r}",
+                *([f"  %qf{r} = getelementptr float, ptr %q, i64 %qo{r}",  # (bf16: the row rounded into the scratch)
+                   f"  %qfv{r} = load <64 x float>, ptr %qf{r}, align 4",
+                   f"  %qbv{r} = fptrunc <64 x float> %qfv{r} to <64 x bfloat>",
+                   f"  %qr{r} = getelementptr i16, ptr %qscr, i64 {64 * r}",
+                   f"  store <64 x bfloat> %qbv{r}, ptr %qr{r}, align 2"] if bf16 else
+                  [f"  %qr{r} = getelementptr float, ptr %q, i64 %qo{r}"]),
                 f"  %srow{r}o = mul i64 %rstride, {r}",
                 f"  %srow{r} = getelementptr float, ptr %scr, i64 %srow{r}o"]
 
