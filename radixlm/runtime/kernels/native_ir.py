@@ -631,9 +631,7 @@ entry:
   %f32p = getelementptr i64, ptr %desc, i64 6
   %f32 = load i64, ptr %f32p, align 8
   %chunks = mul i64 %m, %nch
-  %ours = add i64 %workers, 1
-  %inomp = icmp ne i64 %omp, 0
-  %parts = select i1 %inomp, i64 %omp, i64 %ours
+{_parts("%omp")}
   %xi = ptrtoint ptr %x to i64
   %qaqi = ptrtoint ptr %aq to i64
   %qasci = ptrtoint ptr %asc to i64
@@ -1077,9 +1075,7 @@ def _prefill(isa: str, bf16: bool = False) -> str:
             "                     i64 %tq, i64 %prefix, i64 %tpad, float %scale2, i64 %workers, i64 %threads,",
             "                     ptr %scratch) {",
             "entry:",
-            "  %ours = add i64 %workers, 1",
-            "  %inomp = icmp ne i64 %threads, 0",
-            "  %parts = select i1 %inomp, i64 %threads, i64 %ours",
+            _parts(),
             "  %pqi = ptrtoint ptr %q to i64",
             "  %kti = ptrtoint ptr %kt to i64",
             "  %pvi = ptrtoint ptr %v to i64",
@@ -1190,11 +1186,7 @@ declare <16 x i64> @llvm.masked.gather.v16i64.v16p0(<16 x ptr>, i32, <16 x i1>, 
 define void @layout_part(ptr %ctl, i64 %index) {{
 entry:
 {_loads("ctl", JOB, LAYOUT_FIELDS)}
-  %ks = inttoptr i64 %ksi to ptr
-  %vs = inttoptr i64 %vsi to ptr
-  %idx = inttoptr i64 %idxi to ptr
-  %kt = inttoptr i64 %kti to ptr
-  %vv = inttoptr i64 %vvi to ptr
+{_pointers("ks", "vs", "idx", "kt", "vv")}
   %nb = lshr i64 %padded, 4
   %items = mul i64 %kvh, %nb
 {_share("items", "i0", "i1")}
@@ -1211,7 +1203,7 @@ item:
   br label %rows
 rows:
 {chr(10).join(rows)}
-{pick.replace(chr(92) + "n", chr(10))}
+{pick}
 {chr(10).join(f32)}
 {chr(10).join(b16)}
 itemdone:
@@ -1225,14 +1217,8 @@ exit:
 define void @layout(ptr %ctl, ptr %ks, ptr %vs, i64 %kstride, i64 %vstride, ptr %idx, i64 %n, i64 %padded, i64 %kvh,
                     ptr %kt, ptr %vv, i64 %isbf16, i64 %workers, i64 %threads) {{
 entry:
-  %ours = add i64 %workers, 1
-  %inomp = icmp ne i64 %threads, 0
-  %parts = select i1 %inomp, i64 %threads, i64 %ours
-  %ksi = ptrtoint ptr %ks to i64
-  %vsi = ptrtoint ptr %vs to i64
-  %idxi = ptrtoint ptr %idx to i64
-  %kti = ptrtoint ptr %kt to i64
-  %vvi = ptrtoint ptr %vv to i64
+{_parts()}
+{_addresses("ks", "vs", "idx", "kt", "vv")}
 {_post(LAYOUT, LAYOUT_FIELDS)}
   call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
   ret void
@@ -1520,9 +1506,7 @@ here:
   call void @{name}_rows({signature}, i64 0, i64 %rows)
   ret void
 shared:
-  %ours = add i64 %workers, 1
-  %inomp = icmp ne i64 %threads, 0
-  %parts = select i1 %inomp, i64 %threads, i64 %ours
+{_parts()}
 {chr(10).join(pack[kind].format(p=p) for p, kind in params)}
 {_post(op, fields)}
   call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
@@ -1534,6 +1518,22 @@ shared:
 def _loads(base: str, offset: int, names: tuple[str, ...]) -> str:
     return "\n".join(f"  %{name}.p = getelementptr i64, ptr %{base}, i64 {offset + i}\n"
                      f"  %{name} = load i64, ptr %{name}.p, align 8" for i, name in enumerate(names))
+
+
+def _pointers(*names: str) -> str:
+    """%name: the pointer a job's field %{name}i holds, for each name."""
+    return "\n".join(f"  %{name} = inttoptr i64 %{name}i to ptr" for name in names)
+
+
+def _addresses(*names: str) -> str:
+    """%{name}i: pointer %name as a job's field holds it, for each name."""
+    return "\n".join(f"  %{name}i = ptrtoint ptr %{name} to i64" for name in names)
+
+
+def _parts(threads: str = "%threads") -> str:
+    """%parts: the job's parts, one a thread: the OpenMP pool's `threads`, or (0) our workers and the caller."""
+    return (f"  %ours = add i64 %workers, 1\n  %inomp = icmp ne i64 {threads}, 0\n"
+            f"  %parts = select i1 %inomp, i64 {threads}, i64 %ours")
 
 
 def _post(op: int, names: tuple[str, ...]) -> str:
@@ -1717,12 +1717,7 @@ define void @attention(ptr %ctl, ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, p
                        i64 %workers, i64 %dim, i64 %f32) {{
 entry:
   %parts = add i64 %workers, 1
-  %qi = ptrtoint ptr %q to i64
-  %kvi = ptrtoint ptr %kv to i64
-  %idxi = ptrtoint ptr %idx to i64
-  %lensi = ptrtoint ptr %lens to i64
-  %outi = ptrtoint ptr %out to i64
-  %scratchi = ptrtoint ptr %scratch to i64
+{_addresses("q", "kv", "idx", "lens", "out", "scratch")}
   %scale32 = bitcast float %scale to i32
   %scalebits = zext i32 %scale32 to i64
 {_post(ATTENTION, ATTENTION_FIELDS)}
@@ -1939,12 +1934,7 @@ def _attention_part() -> str:
 define void @attention_part(ptr %ctl, i64 %index) {{
 entry:
 {_loads("ctl", JOB, ATTENTION_FIELDS)}
-  %q = inttoptr i64 %qi to ptr
-  %kv = inttoptr i64 %kvi to ptr
-  %idx = inttoptr i64 %idxi to ptr
-  %lens = inttoptr i64 %lensi to ptr
-  %out = inttoptr i64 %outi to ptr
-  %scratch = inttoptr i64 %scratchi to ptr
+{_pointers("q", "kv", "idx", "lens", "out", "scratch")}
   %scale32 = trunc i64 %scalebits to i32
   %scale = bitcast i32 %scale32 to float
   %so = mul i64 %sstride, %index
