@@ -129,8 +129,8 @@ def choose_attention(requested_dtype: str, dtype: str, device: str, head_dim: in
     sums are fp32 either way), where prompts run on it (fp32 activations, head size 64, the torch
     backend, a processor that prefers it: `native.prefill_preferred`): bf16 pairs where `--dtype
     auto` chose fp32 activations and the processor multiplies bf16 natively
-    (`native.prefill_bf16_available`): 1.5x the fp32 form's speed, 1.1-1.2x a whole 1k prompt's,
-    the rounding of GPU attention kernels (docs/engine.md, "Number formats")."""
+    (`native.prefill_bf16_available`): 1.6x the fp32 form's speed on a Zen 4, ~1.2x a whole 1k
+    prompt's, the rounding of GPU attention kernels (docs/engine.md, "Number formats")."""
     from radixlm.runtime.kernels import native
 
     if device != "cpu" or dtype != "float32" or head_dim != 64 or backend != "torch" or not native.prefill_preferred():
