@@ -14,6 +14,7 @@ import torch
 from radixlm.runtime.kernels import native
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import (
+    NATIVE_AVX2_MIN_QUERIES,
     NATIVE_BF16_MIN_QUERIES,
     NATIVE_MIN_QUERIES,
     TorchAttention,
@@ -110,6 +111,7 @@ def test_torch_attention_matches_per_head_reference(plan, dtype):
 @pytest.mark.parametrize("plan", [
     [(0, 260)],  # a prompt alone
     [(3, 1), (0, 300), (40, 256), (0, 40)],  # decodes, prompts (one over a cached prefix), a short extend
+    [(0, 100), (200, 70), (0, 63)],  # native on the AVX2 kernels from 64 queries, on AVX-512 from 256
 ])
 def test_fp32_prompts_on_the_native_attention_match_the_reference(plan):
     d = 64
@@ -122,8 +124,9 @@ def test_fp32_prompts_on_the_native_attention_match_the_reference(plan):
     q = torch.randn(total, HEADS + 2 * KV_HEADS, d, generator=gen)[:, :HEADS]  # tokens strided, as from qkv
     k, v = (torch.randn(total, KV_HEADS, d, generator=gen) for _ in range(2))
     att.prepare(AttentionMeta(torch.cat(new_slots), table, list(range(len(plan))), q_starts, q_lens, kv_lens))
-    assert [way for *_, way in att.extends] == ["native" if new >= NATIVE_MIN_QUERIES else "flash"
-                                                for _, new in plan if new > 1]
+    least = NATIVE_AVX2_MIN_QUERIES if native.isa() == "avx2" else NATIVE_MIN_QUERIES
+    assert att.native_min == least
+    assert [way for *_, way in att.extends] == ["native" if new >= least else "flash" for _, new in plan if new > 1]
     out = att.forward(0, q, k, v).view(total, HEADS, d)
     for (cached, new), start, (k_old, v_old) in zip(plan, q_starts, history):
         part = slice(start, start + new)

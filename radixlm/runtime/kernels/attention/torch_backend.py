@@ -24,7 +24,8 @@ AVX2 on AMD processors: `native.prefill_preferred`), run
 on their causal prompt attention (`native.prefill_attention`: scores, weights and values in three
 passes of independent FMA chains, the pool's K and V rows laid out once per call by the kernels),
 its products in bf16 pairs with fp32 sums where `formats.choose_attention` says so (`prompt_bf16`:
-avx512_bf16, --dtype auto), and then for extends from 16 queries (`NATIVE_BF16_MIN_QUERIES`).
+avx512_bf16, --dtype auto), and then for extends from 16 queries (`NATIVE_BF16_MIN_QUERIES`); on
+the AVX2 kernels from 64 (`NATIVE_AVX2_MIN_QUERIES`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ from radixlm.runtime.kernels.kv_pool import KVPool
 # 32 queries over 1,000 keys 0.61 against 1.10 ms, 128 over 128 0.28 / 0.32; 256 over 256 1.11 / 0.75, 512 over
 # 512 4.1 / 2.6, 1,024 over 1,024 12.2 / 10.2; 256 over 2,000 9.6 / 9.4)
 NATIVE_MIN_QUERIES = 256
+# ... from this many on the AVX2 kernels (AMD processors only: `native.prefill_preferred`), the kernels laying
+# out K and V themselves (a Zen 4 running the AVX2 code, native / flash best of 21 over a 0 / 500 / 1,000 / 2,000 /
+# 4,000-key prefix: 64 queries 0.59 / 0.80 / 0.78 / 0.81 / 0.82, 32 0.72 / 0.81 / 0.86 / 0.88 / 1.21, 16 0.99-1.70;
+# a Zen 5, before: faster from 64 queries)
+NATIVE_AVX2_MIN_QUERIES = 64
 # ... and in its bf16 form from this many queries, whatever the cached prefix (Zen 4, 9 heads over 3, native bf16
 # / flash best of 21, over a 0 / 500 / 1,000 / 2,000 / 4,000-key prefix: 16 queries 0.95 / 0.61 / 0.51 / 0.50 /
 # 0.52, 8 queries 0.90 / 0.69 / 0.63 / 0.63 / 0.61, 64 0.70 / 0.45 / 0.42 / 0.41 / 0.37; docs/benchmarks.md,
@@ -124,6 +130,9 @@ class TorchAttention:
             raise ValueError("bf16 prompt attention runs on the native kernels of an avx512_bf16 processor, for fp32 "
                              "activations of head size 64")
         self.prompt_bf16 = prompt_bf16
+        # the fewest queries an extend takes the native prompt attention with
+        self.native_min = (NATIVE_BF16_MIN_QUERIES if prompt_bf16 else
+                           NATIVE_AVX2_MIN_QUERIES if native.isa() == "avx2" else NATIVE_MIN_QUERIES)
 
     def prepare(self, meta: AttentionMeta) -> None:
         self.meta = meta
@@ -161,7 +170,7 @@ class TorchAttention:
             way = "flash"
             if self.blocks and q_len >= BLOCKED_MIN_QUERIES and q_len * kv_len >= BLOCKED_MIN_PAIRS:
                 way = "blocked"
-            elif self._native_extend(q_len):
+            elif self.native_prompts and q_len >= self.native_min:
                 way = "native"
             mask = None
             if kv_len != q_len and way == "flash":  # a cached prefix: query j sees positions <= prefix + j
@@ -170,12 +179,6 @@ class TorchAttention:
                     torch.arange(q_len, device=device)[:, None] + prefix
                 )
             self.extends.append((meta.q_starts[i], q_len, kv_idx, mask, way))
-
-    def _native_extend(self, q_len: int) -> bool:
-        """Whether an extend of q_len queries runs on the native prompt attention."""
-        if not self.native_prompts:
-            return False
-        return q_len >= (NATIVE_BF16_MIN_QUERIES if self.prompt_bf16 else NATIVE_MIN_QUERIES)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.meta.out_slots, k, v)
