@@ -35,6 +35,7 @@ GROUP = 32
 # the processor features each instruction set of native_ir needs (LLVM's names)
 NEEDS = {"avx512": ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni", "+f16c", "+fma"),
          "avx2": ("+avx2", "+fma", "+f16c")}
+BF16_NEEDS = "+avx512bf16"  # ... and the AVX-512 module's bf16 prompt attention (`vdpbf16ps`)
 
 
 def _host_features() -> set[str]:
@@ -90,7 +91,7 @@ class _Library:
         self.isa = isa
         self.machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=features, opt=3)
         self.omp = isa in native_ir.TILE_ISAS and _bind_openmp(llvm)
-        self.bf16 = isa == "avx512" and "+avx512bf16" in features.split(",")
+        self.bf16 = isa == "avx512" and BF16_NEEDS in features.split(",")
         module = llvm.parse_assembly(native_ir.module_ir(isa, omp=self.omp, bf16=self.bf16))
         module.verify()
         builder = llvm.create_pass_builder(self.machine, llvm.create_pipeline_tuning_options(speed_level=3))
@@ -434,7 +435,7 @@ def _vendor() -> str:
 def prefill_bf16_available() -> bool:
     """Whether `prefill_attention(bf16=True)` runs here (the AVX-512 module on a processor with
     AVX-512 BF16)."""
-    return isa() == "avx512" and "+avx512bf16" in _host_features()
+    return isa() == "avx512" and BF16_NEEDS in _host_features()
 
 
 def prefill_preferred() -> bool:
