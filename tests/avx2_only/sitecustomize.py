@@ -13,7 +13,6 @@ FBGEMM still picks its kernels from the processor itself. docs/engine.md, "Numbe
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import re
 import sys
 from collections.abc import Callable, Sequence
