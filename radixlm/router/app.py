@@ -4,6 +4,7 @@ policy, plus /health, /metrics and the routes that fan out to all workers."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -16,29 +17,47 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from radixlm.router.config import RouterConfig
-from radixlm.router.keys import SessionTable, parse_body, routing_key, session_of
+from radixlm.router.keys import BODY_ROUTES, SessionTable, json_object, parse_body, routing_key, session_of
 from radixlm.router.policies import Choice, Policy, make_policy
 
 log = logging.getLogger("radixlm.router")
 T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Headers that belong to one connection, not to the request or response passed through.
 _HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-                503: "service_unavailable_error", 504: "timeout_error"}
+# The server's error types by status (radixlm/runtime/server/errors.py), and the router's own 504.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
 # Routes whose request goes to every healthy worker; the rest go to one.
 _FAN_OUT = ("/flush_cache", "/abort_request")
+_JSON_TYPE = "application/json"
+OPEN_ROUTES = frozenset({"/health", "/openapi.json"})  # answered without --api-key's key, as by the server
+_PARSE_INLINE_BYTES = 256 * 1024  # bodies above this are parsed off the event loop, as by the server
 WORKER_HEADER = "X-Radixlm-Worker"  # on every passed-through response: the worker that answered
+# Whether answers to a request may name workers: with no --api-key, or with the key sent.
+_SHOW_WORKERS = web.RequestKey("show_workers", bool)
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 
 
-def error_response(status: int, message: str, code: str | None = None) -> web.Response:
-    """OpenAI's error shape, as the workers answer it."""
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": None,
-                      "code": code}}
-    return web.json_response(body, status=status)
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> web.Response:
+    """The server's error body, byte for byte: `{"error": {message, type, param, code}}`."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return web.Response(text=json.dumps(body, ensure_ascii=False, separators=(",", ":")), status=status,
+                        content_type="application/json",
+                        headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+
+class Refused(Exception):
+    """A request the router answers itself with a 4xx: a body it cannot read, no key, too large."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
 
 
 class WorkerDown(Exception):
@@ -185,7 +204,7 @@ class Router:
                 return got
             self.metrics.retries.labels(w.url).inc()
             tried.add(w.index)
-            last = f"worker {w.url} failed: {got}"
+            last = f"worker {w.url} failed: {got}" if _shows_workers(request) else "every worker tried failed"
             if pinned is not None:
                 continue  # answered above: the session's worker is down
 
@@ -205,13 +224,13 @@ class Router:
                     return f"503 {text[:200]}"
                 if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
                     data = await self.until_down(w, upstream.read())
-                    return web.Response(body=data, status=upstream.status, headers=_passed(upstream))
+                    return web.Response(body=data, status=upstream.status, headers=_passed(request, upstream))
                 first = await self.until_down(w, upstream.content.readany())  # nothing sent back before it
             except TimeoutError as e:
                 if isinstance(e, aiohttp.ServerTimeoutError):  # no connection within --health-timeout
                     self.take_out(w, f"{type(e).__name__}: {e}")
                     return f"{type(e).__name__}: {e}"
-                return error_response(504, f"worker {w.url} did not answer within --request-timeout "
+                return error_response(504, f"{_name(request, w)} did not answer within --request-timeout "
                                       f"{self.config.request_timeout:g} s", "worker_timeout")
             except (WorkerDown, *_CONNECTION_ERRORS) as e:
                 self.take_out(w, f"{type(e).__name__}: {e}")
@@ -226,7 +245,7 @@ class Router:
     async def _stream(self, request: web.Request, w: Worker, upstream: aiohttp.ClientResponse,
                       first: bytes) -> web.StreamResponse:
         """Pass an SSE stream through chunk by chunk; a worker lost mid-stream ends it with an error event."""
-        resp = web.StreamResponse(status=upstream.status, headers=_passed(upstream))
+        resp = web.StreamResponse(status=upstream.status, headers=_passed(request, upstream))
         await resp.prepare(request)
         tail, chunk = b"\n\n", first
         try:
@@ -237,7 +256,7 @@ class Router:
         except (TimeoutError, WorkerDown, *_CONNECTION_ERRORS) as e:
             if isinstance(e, WorkerDown | aiohttp.ClientConnectionError | aiohttp.ClientPayloadError):
                 self.take_out(w, f"lost mid-stream: {type(e).__name__}: {e}")
-            err = {"error": {"message": f"worker {w.url} failed mid-stream: {type(e).__name__}", "type":
+            err = {"error": {"message": f"{_name(request, w)} failed mid-stream: {type(e).__name__}", "type":
                              "service_unavailable_error", "param": None, "code": "worker_lost"}}
             sep = b"" if tail == b"\n\n" else b"\n\n"
             await resp.write(sep + b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
@@ -290,14 +309,25 @@ class Router:
 
         infos = await asyncio.gather(*(one(w) for w in self.workers))
         return {"router": {"policy": self.config.policy, "sessions": len(self.sessions)},
-                "workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "server_info": i}
+                "workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
+                             "tree_chars": self.policy.remembered(w.index), "server_info": i}
                             for w, i in zip(self.workers, infos, strict=True)]}
 
 
-def _passed(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    """The worker's response headers, plus which worker answered."""
+def _shows_workers(request: web.Request) -> bool:
+    """Whether answers to this request may name workers: not to a client without --api-key's key."""
+    return bool(request.get(_SHOW_WORKERS, False))
+
+
+def _name(request: web.Request, w: Worker) -> str:
+    return f"worker {w.url}" if _shows_workers(request) else "the worker"
+
+
+def _passed(request: web.Request, upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    """The worker's response headers, plus which worker answered (to a client that may know)."""
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
-    headers[WORKER_HEADER] = str(upstream.url.origin())
+    if _shows_workers(request):
+        headers[WORKER_HEADER] = str(upstream.url.origin())
     return headers
 
 
@@ -306,7 +336,7 @@ ROUTER_KEY = web.AppKey("router", Router)
 
 def create_app(config: RouterConfig) -> web.Application:
     """The router app; the workers' health is checked from its startup on."""
-    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[_errors])
+    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[_errors, _guard])
 
     async def on_startup(app: web.Application) -> None:
         router = app[ROUTER_KEY] = Router(config)
@@ -328,17 +358,94 @@ def create_app(config: RouterConfig) -> web.Application:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) \
-        -> web.StreamResponse:
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as JSON in the server's shape; a request the router refuses is logged in one
+    line (no traceback: a client cannot fill the log), and bad input is never a 500."""
     try:
         resp = await handler(request)
-    except web.HTTPRequestEntityTooLarge:
-        resp = error_response(413, f"the request body is larger than --max-request-bytes "
-                              f"{request.app[ROUTER_KEY].config.max_request_bytes}")
     except web.HTTPException as e:
-        resp = error_response(e.status, e.reason)
+        if e.status < 400:
+            raise
+        resp = _refused(request, Refused(e.status, _too_large(request) if e.status == 413 else e.reason))
+    except Refused as e:
+        resp = _refused(request, e)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.rel_url.raw_path[:200])
+        detail = f": {e}" if _shows_workers(request) else ""
+        resp = error_response(500, f"internal router error: {type(e).__name__}{detail}; the router log has the "
+                              "traceback", "internal_error")
     request.app[ROUTER_KEY].metrics.responses.labels(str(resp.status)).inc()
     return resp
+
+
+def _refused(request: web.Request, e: Refused) -> web.Response:
+    log.warning("refused %s %s from %s: %d %s", request.method, request.rel_url.raw_path[:200], request.remote,
+                e.status, e.message)
+    return error_response(e.status, e.message, e.code)
+
+
+def _too_large(request: web.Request) -> str:
+    return (f"the request body is larger than the limit of {request.app[ROUTER_KEY].config.max_request_bytes} "
+            "bytes (--max-request-bytes)")
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The API key, then the body size limit, before any handler reads the body (the server's order):
+    a request without the key never reaches the routing state."""
+    config = request.app[ROUTER_KEY].config
+    header = request.headers.get("Authorization", "")
+    shown = config.api_key is None or _key_matches(header, config.api_key)
+    if not shown and request.path not in OPEN_ROUTES:
+        what = "is missing" if not header else "is not valid"
+        raise Refused(401, f"the API key {what}: send the header 'Authorization: Bearer <key>'", "invalid_api_key")
+    if request.content_length is not None and request.content_length > config.max_request_bytes:
+        raise Refused(413, _too_large(request))
+    request[_SHOW_WORKERS] = shown
+    return await handler(request)
+
+
+def _key_matches(header: str, key: str) -> bool:
+    """The server's rule: `Bearer <key>`, compared in constant time, the header's bytes as sent (aiohttp
+    keeps a non-UTF-8 byte as a surrogate escape); only HTTP whitespace around the key is dropped."""
+    scheme, _, token = header.partition(" ")
+    sent = token.strip(" \t").encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(sent, key.encode())
+
+
+async def _read(request: web.Request) -> tuple[bytes, dict[str, Any] | None]:
+    """The body, and on a route the router reads (keys.BODY_ROUTES) the JSON object in it; there a
+    body the server would not read is refused as the server does (415, then 413, then 400)."""
+    if request.method != "POST" or request.path not in BODY_ROUTES:
+        return await request.read(), None
+    _check_json_type(request)
+    body = await request.read()
+    try:
+        if len(body) > _PARSE_INLINE_BYTES:
+            return body, await asyncio.to_thread(json_object, body)
+        return body, json_object(body)
+    except ValueError as e:
+        raise Refused(400, str(e)) from None
+
+
+def _check_json_type(request: web.Request) -> None:
+    """The server's 415 (its check_json_type, same messages): a body not sent as JSON in UTF-8 is
+    what a web page can POST cross-site without asking first, so it is refused before it is read."""
+    sent = request.headers.get("Content-Type")
+    if sent is None:
+        raise Refused(415, f"the request has no Content-Type header; send the JSON body with "
+                           f"'Content-Type: {_JSON_TYPE}'", "unsupported_media_type")
+    if request.content_type != _JSON_TYPE:
+        shown = sent if len(sent) <= 80 else sent[:77] + "..."
+        raise Refused(415, f"the request body is sent as {shown!r}; this route reads JSON: send it with "
+                           f"'Content-Type: {_JSON_TYPE}'", "unsupported_media_type")
+    charset = request.charset
+    if charset is not None and charset.lower() not in ("utf-8", "utf8"):
+        raise Refused(415, f"the request body is sent in charset {charset[:40]!r}; JSON bodies are read as UTF-8: "
+                           f"send UTF-8 text with 'Content-Type: {_JSON_TYPE}' (or '; charset=utf-8')",
+                      "unsupported_media_type")
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -377,8 +484,8 @@ async def _open_session(request: web.Request) -> web.StreamResponse:
 
 async def _close_session(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
-    body = await request.read()
-    sid = session_of(request.path, parse_body(body))
+    body, parsed = await _read(request)
+    sid = session_of(request.path, parsed)
     pinned = router.sessions.get(sid) if sid else None
     resp = await router.proxy(request, body, pinned=pinned)
     if sid and resp.status == 200:
@@ -388,10 +495,9 @@ async def _close_session(request: web.Request) -> web.StreamResponse:
 
 async def _pass_through(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
-    body = await request.read()
+    body, parsed = await _read(request)
     if request.path in _FAN_OUT:
         return await router.fan_out(request, body)
-    parsed = parse_body(body) if request.method == "POST" else None
     sid = session_of(request.path, parsed)
     pinned = router.sessions.get(sid) if sid else None
     return await router.proxy(request, body, routing_key(request.path, parsed), pinned)

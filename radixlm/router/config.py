@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 
@@ -23,6 +23,7 @@ class RouterConfig:
     max_request_bytes: int = 32 * 1024 * 1024  # request bodies above this: 413
     max_sessions: int = 100_000  # session -> worker bindings kept (oldest forgotten past it)
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish after SIGTERM/SIGINT
+    api_key: str | None = field(default=None, repr=False)  # every route but /health, /openapi.json: Bearer <key>
 
     def __post_init__(self) -> None:
         if not self.worker_urls:
@@ -49,6 +50,9 @@ class RouterConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if self.shutdown_grace < 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace}")
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()
+                                         or not self.api_key.isprintable() or not self.api_key.isascii()):
+            raise ValueError("--api-key must be non-empty printable ASCII with no leading or trailing whitespace")
 
     @property
     def urls(self) -> tuple[str, ...]:

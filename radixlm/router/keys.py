@@ -1,15 +1,20 @@
 """What the router reads from a request body: its routing key (the prompt, as text) and its session.
 
-The router validates nothing: a body it cannot read gets the empty key and goes to a worker, whose
-answer (a 400 naming the field) is passed back.
+On the routes it reads, a body the server would not read as a JSON object (not UTF-8, not JSON,
+nested too deeply, an integer past Python's digit limit, not an object) is refused with the
+server's 400; the fields of a readable one are the workers' to check (their 400 naming the field
+is passed back), as are the bodies of every other route, which pass through unread.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from typing import Any
 
+# The routes whose body the router reads: for the routing key and the session (see below).
+BODY_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/run_program", "/close_session"})
 _SURROGATES = 0x800  # token ids at or above U+D800 are shifted past the surrogate block
 
 
@@ -62,7 +67,10 @@ def routing_key(path: str, body: Any) -> str:
     if path == "/v1/chat/completions":
         return _messages_key(body.get("messages"))
     if path == "/run_program" and "graph" in body:
-        return json.dumps(body["graph"])  # a graph's text nodes come in program order
+        try:
+            return json.dumps(body["graph"])  # a graph's text nodes come in program order
+        except RecursionError:  # read, but too deep to write back: routed by load alone
+            return ""
     return ""
 
 
@@ -80,13 +88,51 @@ def session_of(path: str, body: Any) -> str | None:
     return sid if isinstance(sid, str) and sid else None
 
 
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A client's body as the server reads it: a JSON object, else ValueError with the server's
+    400 message (what to fix)."""
+    if not raw.strip():
+        raise ValueError("the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte order mark is allowed (RFC 8259)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the request body is not valid UTF-8 (byte {e.start} is not); send JSON in UTF-8") \
+            from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
+            from None
+    except RecursionError:
+        raise ValueError("the request body is nested too deeply; send fewer levels of nested arrays and "
+                         "objects") from None
+    except ValueError:  # json's only other refusal: an integer literal past Python's digit limit
+        raise ValueError(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                         "digits; integers must fit in 64 bits") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"the request body must be a JSON object, got {_json_kind(body)}")
+    return body
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "null"
+
+
 def parse_body(raw: bytes) -> Any:
-    """The JSON body, or None when it is not JSON."""
+    """A worker's JSON answer, or None when it is not JSON."""
     if not raw:
         return None
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):
         return None
 
 

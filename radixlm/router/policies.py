@@ -31,6 +31,10 @@ class Policy(Protocol):
         """The worker lost its cache (flushed, restarted, taken out)."""
         ...
 
+    def remembered(self, worker: int) -> int:
+        """Characters of prompts the policy holds for the worker (0 for one that keeps none)."""
+        ...
+
 
 class RoundRobin:
     """Each request to the next candidate in turn."""
@@ -50,6 +54,9 @@ class RoundRobin:
     def forget(self, worker: int) -> None:
         pass
 
+    def remembered(self, worker: int) -> int:
+        return 0
+
 
 class ShortestQueue:
     """The candidate with the fewest requests in flight; ties taken in turn."""
@@ -64,6 +71,9 @@ class ShortestQueue:
 
     def forget(self, worker: int) -> None:
         pass
+
+    def remembered(self, worker: int) -> int:
+        return 0
 
 
 class CacheAware:
@@ -114,6 +124,9 @@ class CacheAware:
 
     def forget(self, worker: int) -> None:
         self.trees[worker].clear()
+
+    def remembered(self, worker: int) -> int:
+        return self.trees[worker].size
 
 
 POLICIES: dict[str, Callable[[int, RouterConfig], Policy]] = {

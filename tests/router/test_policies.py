@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixlm.router.config import RouterConfig
-from radixlm.router.keys import SessionTable, ids_key, routing_key, session_of
+from radixlm.router.keys import SessionTable, ids_key, json_object, routing_key, session_of
 from radixlm.router.policies import POLICIES, CacheAware, make_policy
 from radixlm.router.tree import CharTree
 
@@ -167,7 +167,45 @@ def test_routing_keys_and_sessions() -> None:
     ({"balance_rel_threshold": 0.5}, "--balance-rel-threshold"),
     ({"health_interval": 0}, "--health-interval"),
     ({"max_tree_chars": 0}, "--max-tree-chars"),
+    ({"api_key": ""}, "--api-key must be non-empty"),
+    ({"api_key": "k "}, "no leading or trailing whitespace"),
+    ({"api_key": "clé"}, "printable ASCII"),
 ])
 def test_config_errors_name_the_flag(kw: dict[str, object], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         RouterConfig(**{"worker_urls": URLS, **kw})  # type: ignore[arg-type]
+
+
+def test_the_api_key_stays_out_of_the_config_repr() -> None:
+    assert "s3cret" not in repr(RouterConfig(worker_urls=URLS, api_key="s3cret"))
+
+
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(("raw", "msg"), [
+    (b"", "the request body is empty; send a JSON object"),
+    (b" \n", "the request body is empty; send a JSON object"),
+    (b'{"text": "\xff"}', "the request body is not valid UTF-8 (byte 10 is not); send JSON in UTF-8"),
+    (b"{'text': 1}", "the request body is not valid JSON: Expecting property name enclosed in double quotes at line 1 "
+                     "column 2"),
+    (b"[" * 5000 + b"]" * 5000, "the request body is nested too deeply; send fewer levels of nested arrays and "
+                                "objects"),
+    (b'{"n": -' + b"1" * 4301 + b"}", "the request body holds an integer of more than 4300 digits; integers must "
+                                     "fit in 64 bits"),
+    (b"null", "the request body must be a JSON object, got null"),
+    (b'"text"', "the request body must be a JSON object, got a string"),
+])
+def test_json_object_refuses_what_the_server_refuses(raw: bytes, msg: str) -> None:
+    with pytest.raises(ValueError) as e:
+        json_object(raw)
+    assert str(e.value) == msg
+
+
+def test_json_object_reads_what_the_server_reads() -> None:
+    assert json_object(b'\xef\xbb\xbf{"text": "caf\xc3\xa9", "n": ' + b"9" * 4300 + b"}")["text"] == "café"
+    assert routing_key("/run_program", {"graph": _nested(5000)}) == ""  # read, too deep to key: by load

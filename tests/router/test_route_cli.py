@@ -27,8 +27,9 @@ def test_bad_flags_one_line(argv: list[str], says: str, capsys: pytest.CaptureFi
 
 def test_flags_come_from_the_config() -> None:
     ns = build_route_parser().parse_args(["--worker-urls", "http://a:1", "http://b:2", "--policy", "round_robin",
-                                          "--balance-abs-threshold", "4"])
+                                          "--balance-abs-threshold", "4", "--api-key", "k"])
     opts = router_options(ns)
+    assert opts["api_key"] == "k" and router_options(build_route_parser().parse_args([]))["api_key"] is None
     assert opts["worker_urls"] == ["http://a:1", "http://b:2"] and opts["policy"] == "round_robin"
     assert opts["balance_abs_threshold"] == 4 and opts["cache_threshold"] == 0.5  # the dataclass default
 

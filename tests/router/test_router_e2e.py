@@ -9,10 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,59 +16,15 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from router_harness import WORKER, Router, poll, start_router
+from server_harness import read_sse
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "server"))
-from server_harness import free_port, read_sse  # noqa: E402
-
-from radixlm.runtime.server.http_call import http_call  # noqa: E402
+from radixlm.runtime.server.http_call import http_call
 
 pytestmark = pytest.mark.slow
-WORKER = "X-Radixlm-Worker"
-DEADLINE_S = 300.0  # polls give up after this (the machine may be shared and slow); never a sleep
 SYS_A = "You are Captain Hook, a pirate who answers every question with a sea shanty about treasure. "
 SYS_B = "You are a meticulous tax lawyer who cites the relevant statute before answering any question. "
 GREEDY = {"temperature": 0, "max_new_tokens": 6}
-
-
-class Router:
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, log_path: str) -> None:
-        self.proc, self.port, self.log_path = proc, port, log_path
-        self.replicas: list[Replica] = []
-        self.url = f"http://127.0.0.1:{port}"
-
-    def call(self, method: str, path: str, body: Any = None, timeout: float = 300.0) -> tuple[int, Any]:
-        return http_call(self.url + path, method, body, timeout=timeout)
-
-    def generate(self, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        """(the /generate answer, the worker that answered), read with urllib for the header."""
-        import urllib.request
-
-        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            return json.loads(resp.read()), resp.headers[WORKER]
-
-    def workers(self) -> list[dict[str, Any]]:
-        status, info = self.call("GET", "/get_server_info")
-        assert status == 200, info
-        return info["workers"]
-
-    def metric(self, name: str) -> float:
-        _, text = self.call("GET", "/metrics")
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-    def log(self) -> str:
-        return Path(self.log_path).read_text(errors="replace")
-
-
-def poll(what: str, fn: Any, deadline_s: float = DEADLINE_S) -> Any:
-    end = time.monotonic() + deadline_s
-    while True:
-        got = fn()
-        if got:
-            return got
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 class Replica:
@@ -104,37 +56,20 @@ class Replica:
 def router() -> Iterator[Router]:
     """`radixlm serve --dp-size 2`: two replicas and the router, one command (fp32: greedy outputs then
     do not depend on batching or on what is cached)."""
-    port = free_port()
-    fd, log_path = tempfile.mkstemp(prefix="radixlm-route-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "radixlm.cli", "serve", "--dp-size", "2", "--port", str(port),
-                             "--dtype", "float32", "--max-total-tokens", "8192", "--router-health-interval", "0.2",
-                             "--router-health-timeout", "1", "--router-health-failures", "1"],
-                            stdout=fd, stderr=subprocess.STDOUT)
-    os.close(fd)
-    r = Router(proc, port, log_path)
-
-    def ready() -> bool:
-        assert proc.poll() is None, r.log()
-        try:
-            return r.call("GET", "/health", timeout=5)[1].get("healthy_workers") == 2
-        except OSError:
-            return False  # not listening yet
-
+    r = start_router(["serve", "--dp-size", "2", "--dtype", "float32", "--max-total-tokens", "8192",
+                      "--router-health-interval", "0.2", "--router-health-timeout", "1",
+                      "--router-health-failures", "1"], healthy_workers=2)
     try:
-        poll("both replicas healthy", ready)
         r.replicas = [Replica(w["url"], w["server_info"]["server_pid"]) for w in r.workers()]
     except BaseException:
-        proc.send_signal(signal.SIGTERM)  # the launcher stops its replicas
-        proc.wait(120)
+        r.stop()  # the launcher stops its replicas
         raise
     yield r
     for w in r.replicas:
         if Path(f"/proc/{w.pid}").exists():
             os.kill(w.pid, signal.SIGCONT)  # in case a test left it stopped
-    proc.send_signal(signal.SIGTERM)  # stops the router and every replica
-    assert proc.wait(120) == 0, r.log()
+    assert r.stop() == 0  # stops the router and every replica
     assert not any(Path(f"/proc/{w.pid}").exists() for w in r.replicas)
-    os.unlink(log_path)
 
 
 def by_url(router: Router, url: str) -> Replica:
