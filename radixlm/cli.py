@@ -9,9 +9,12 @@ import sys
 import time
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixlm.runtime.config import COMPONENT_TYPES, DTYPES, JSON_WHITESPACE
+
+if TYPE_CHECKING:
+    from radixlm.router.config import RouterConfig
 
 HELP = {
     "model": "built-in name, HF model folder, .gguf file, or dummy:<config>",
@@ -159,6 +162,7 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+API_KEY_FILE_HELP = "read the API key from this file's first line (else --api-key, else $RADIXLM_API_KEY)"
 SERVER_HELP = {
     "host": "address to listen on",
     "port": "port to listen on (0: any free port, logged at start)",
@@ -168,7 +172,8 @@ SERVER_HELP = {
     "shutdown_grace": "seconds in-flight requests get to finish after SIGTERM/SIGINT, then they are aborted",
     "served_model_name": "model id reported by /v1/models (default: the model's name)",
     "max_top_logprobs": "largest top_logprobs_num / top_logprobs / logprobs a request may ask for",
-    "restart_on_failure": "start a fresh engine process when it dies (at most --max-restarts per --restart-window)",
+    "restart_on_failure": "start a fresh engine process when it dies (at most --max-restarts per --restart-window); "
+                          "on by default, '--restart-on-failure false' turns it off",
     "max_restarts": "engine restarts allowed within --restart-window; past it the server answers 503 until restarted",
     "restart_window": "seconds over which --max-restarts is counted",
     "stream_write_timeout": "seconds a stream may wait for its client to read; then the request is aborted "
@@ -178,6 +183,7 @@ SERVER_HELP = {
     "header_timeout": "seconds a connection may take to send a request's headers; then it is closed (slowloris)",
     "body_timeout": "seconds a request's body may take to arrive; then 408",
     "max_response_bytes": "what one response may cost, estimated before it runs (400) and metered on streams",
+    "max_stop_bytes": "UTF-8 bytes of one request's stop strings and stop_regex patterns in all (more: 400)",
     "max_sessions": "open sessions at most; /open_session past it answers 429",
     "max_session_ttl": "the largest ttl /open_session accepts, in seconds",
     "special_tokens_in_content": "read special-token text in chat message content as control tokens "
@@ -202,8 +208,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
             switch: dict[str, Any] = {"nargs": "?", "const": True} if kind is _parse_bool else {}  # --flag: true
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
                                help=f"{SERVER_HELP.get(f.name, '')} (default: {f.default})", **switch)
-    group.add_argument("--api-key-file", default=None,
-                       help="read the API key from this file's first line (else --api-key, else $RADIXLM_API_KEY)")
+    group.add_argument("--api-key-file", default=None, help=API_KEY_FILE_HELP)
 
 
 def _server_parts() -> dict[str, Any]:
@@ -247,7 +252,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
         check_parallel(config)
     if ns.dp_size > 1:
-        return _serve_replicas(ns)
+        return _serve_replicas(ns, settings.api_key)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(serve(settings, config))
 
@@ -269,6 +274,8 @@ ROUTER_HELP = {
     "max_request_bytes": "largest request body accepted (larger: 413)",
     "max_sessions": "session -> worker bindings kept (the oldest forgotten past it)",
     "shutdown_grace": "seconds in-flight requests get to finish after SIGTERM/SIGINT",
+    "api_key": "require 'Authorization: Bearer <key>' on every route but /health and /openapi.json, checked by "
+               "the router itself before routing (give it the replicas' key)",
 }
 # Flags of `radixlm serve --dp-size N` that the launcher sets for each replica itself.
 _REPLICA_OWN = ("--dp-size", "--host", "--port")
@@ -302,14 +309,25 @@ def router_options(ns: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     return {k.removeprefix(key): v for k, v in vars(ns).items() if k.startswith(key) and k.removeprefix(key) in names}
 
 
+def route_config(ns: argparse.Namespace) -> RouterConfig:
+    """`radixlm route`'s RouterConfig: its flags, the API key taken as the server takes it (--api-key,
+    else --api-key-file, else $RADIXLM_API_KEY; empty refused)."""
+    import os
+
+    from radixlm.router.config import RouterConfig
+    from radixlm.runtime.server.settings import resolve_api_key
+
+    api_key = resolve_api_key(ns.api_key, ns.api_key_file, os.environ)
+    return RouterConfig(**{**router_options(ns), "worker_urls": tuple(ns.worker_urls), "api_key": api_key})
+
+
 def _route(ns: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from radixlm.router.config import RouterConfig
     from radixlm.router.runner import route
 
-    config = RouterConfig(**{**router_options(ns), "worker_urls": tuple(ns.worker_urls)})
+    config = route_config(ns)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(route(config))
 
@@ -329,7 +347,14 @@ def replica_args(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _serve_replicas(ns: argparse.Namespace) -> int:
+def dp_router_options(ns: argparse.Namespace, api_key: str | None) -> dict[str, Any]:
+    """The options of the router `radixlm serve --dp-size N` starts: its --router-* flags, the server's
+    --host, --port and --shutdown-grace, and the replicas' own API key, which it then checks itself."""
+    return {**router_options(ns, "router-"), "host": ns.host, "port": ns.port, "shutdown_grace": ns.shutdown_grace,
+            "api_key": api_key}
+
+
+def _serve_replicas(ns: argparse.Namespace, api_key: str | None) -> int:
     import asyncio
     import logging
 
@@ -340,10 +365,8 @@ def _serve_replicas(ns: argparse.Namespace) -> int:
     argv = list(ns.argv)
     args = replica_args(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    options = {**router_options(ns, "router-"), "host": ns.host, "port": ns.port,
-               "shutdown_grace": ns.shutdown_grace}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return asyncio.run(serve_replicas(args, ns.dp_size, gpus, options))
+    return asyncio.run(serve_replicas(args, ns.dp_size, gpus, dp_router_options(ns, api_key)))
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -357,6 +380,7 @@ def build_route_parser(parser_class: type[argparse.ArgumentParser] = _OneLinePar
     route = parser_class(prog="radixlm route", description="route requests over radixlm serve replicas "
                          "(cache-aware by default; docs/router.md)")
     add_router_flags(route)
+    route.add_argument("--api-key-file", default=None, help=API_KEY_FILE_HELP)
     route.set_defaults(func=_route)
     return route
 
@@ -377,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dp-size", type=int, default=1,
                      help="data parallel: this many replicas on free local ports (one per GPU where there are "
                           "GPUs) behind a router on --host/--port (--router-* flags; docs/router.md)")
-    add_router_flags(srv, "router-", skip=("worker_urls", "host", "port", "shutdown_grace"))
+    add_router_flags(srv, "router-", skip=("worker_urls", "host", "port", "shutdown_grace", "api_key"))
     add_engine_flags(srv)
     srv.set_defaults(func=_serve)
     sub.add_parser("route", help="route requests over radixlm serve replicas (docs/router.md)", add_help=False)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from radixlm.cli import build_parser, generate_params
+from radixlm.cli import build_parser, generate_params, main
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.server.settings import API_KEY_ENV
 
 
 def _params(*args: str) -> SamplingParams:
@@ -35,3 +36,15 @@ def test_bad_values_are_value_errors_naming_the_field():
         _params("--top-p", "0")
     with pytest.raises(ValueError, match="--sampling-params must be a JSON object"):
         _params("--sampling-params", "[1]")
+
+
+@pytest.mark.parametrize("args", [[], ["--api-key", ""]])
+def test_serve_refuses_an_empty_api_key_before_it_starts(monkeypatch, capsys, args):
+    """An empty $RADIXLM_API_KEY (or --api-key '') would serve without auth and say nothing. (A bad
+    engine flag behind it, read after the server's settings: were the key taken, serve stops there.)"""
+    monkeypatch.setenv(API_KEY_ENV, "")
+    if args:
+        monkeypatch.delenv(API_KEY_ENV)
+    assert main(["serve", *args, "--max-total-tokens", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert ("RADIXLM_API_KEY is set but empty" if not args else "api_key must not be empty") in err, err

@@ -90,7 +90,7 @@ def session_of(path: str, body: Any) -> str | None:
 
 def json_object(raw: bytes) -> dict[str, Any]:
     """A client's body as the server reads it: a JSON object, else ValueError with the server's
-    400 message (what to fix)."""
+    400 message (what to fix), word for word (the server's is radixlm.runtime.server.payload.parse_body's)."""
     if not raw.strip():
         raise ValueError("the request body is empty; send a JSON object")
     try:

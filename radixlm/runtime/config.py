@@ -81,6 +81,15 @@ class SchedulerConfig:
     max_running_requests: int = 64
     chunked_prefill_size: int = 512  # prompt tokens a step while others decode or wait; 0 turns chunking off
     max_prefill_tokens: int = 4096  # prompt tokens a step without chunking, and for a prompt alone
+    # A step's prompt tokens are cut further to what is expected to run in this many seconds (the
+    # cost of a prompt token measured on recent steps), so a request arriving meanwhile waits at most
+    # about this long for the step in flight; 0: the token limits alone. On a GPU a step of the
+    # limits above takes far less; on a 2-core CPU 4,096 prompt tokens took seconds.
+    prefill_step_seconds: float = 0.1
+    # While requests decode, pieces of prompts that take several steps make those decodes at most
+    # this many times slower on average (measured): after a step slowed by a piece, steps of the
+    # decodes (and of prompts that fit one step) run alone until the slowdown is paid back. 0: no limit.
+    decode_slowdown: float = 3.0
     lpm_max_queue: int = 128  # past this many waiting requests, lpm falls back to fcfs
     # Admission reserves ratio * (remaining max_new_tokens) for each running request. Most
     # requests stop early, so the ratio decays step by step towards its floor; a retraction
@@ -125,6 +134,10 @@ class SchedulerConfig:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
         if self.chunked_prefill_size < 0:
             raise ValueError(f"chunked_prefill_size must be >= 0 (0 = off), got {self.chunked_prefill_size}")
+        if not self.prefill_step_seconds >= 0:
+            raise ValueError(f"prefill_step_seconds must be >= 0 (0 = no time limit), got {self.prefill_step_seconds}")
+        if not (self.decode_slowdown == 0 or self.decode_slowdown > 1):
+            raise ValueError(f"decode_slowdown must be > 1 (or 0 = no limit), got {self.decode_slowdown}")
 
 
 JSON_WHITESPACE = ("compact", "spaced", "any")
@@ -158,9 +171,14 @@ class ConstraintConfig:
     grammar_cache_size: int = 1024
     # A compile past this many seconds fails its request (400); the spec is remembered as failed.
     grammar_compile_timeout: float = 30.0
-    # Size limits checked before compiling (radixlm.runtime.constrained.limits.SpecLimits).
+    # Size limits checked before compiling (radixlm.runtime.constrained.limits.SpecLimits). A schema's
+    # bytes are bounded loosely (real API schemas reach hundreds of KB): its compile is bounded by
+    # the time limit above, the nesting limits and the grammar engine's own; a regex's, grammar's or
+    # choices' cost grows faster than their bytes.
     grammar_max_bytes: int = 131_072
+    grammar_max_schema_bytes: int = 1_048_576
     grammar_max_nesting: int = 128
+    grammar_max_ref_nesting: int = 1024  # nesting with each $ref read as its target (llguidance recurses)
     grammar_max_enum: int = 4096
     grammar_max_repeat: int = 1_000_000
 
@@ -168,7 +186,8 @@ class ConstraintConfig:
         if self.json_whitespace not in JSON_WHITESPACE:
             raise ValueError(f"json_whitespace must be one of {JSON_WHITESPACE}, got {self.json_whitespace!r}")
         for name in ("grammar_fill_threads", "grammar_compile_workers", "grammar_cache_size", "grammar_max_bytes",
-                     "grammar_max_nesting", "grammar_max_enum", "grammar_max_repeat"):
+                     "grammar_max_schema_bytes", "grammar_max_nesting", "grammar_max_ref_nesting", "grammar_max_enum",
+                     "grammar_max_repeat"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.jump_forward_max_running is not None and self.jump_forward_max_running < 0:

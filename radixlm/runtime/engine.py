@@ -272,8 +272,8 @@ class Engine:
         box = self._boxes.get(out.rid)
         if box is None:
             return
-        if out.error is not None:  # e.g. its constraint did not compile
-            box.fail(ValueError(out.error))
+        if out.error is not None:  # its constraint did not compile (ValueError), or a fault ended it
+            box.fail(RuntimeError(out.error) if out.internal else ValueError(out.error))
             del self._boxes[out.rid]
             return
         box.pending.append(out)

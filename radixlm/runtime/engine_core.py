@@ -35,6 +35,7 @@ from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.distributed import TPGroup, check_devices, check_tp_size, init_tp_group, tp_device
 from radixlm.runtime.distributed.launch import Leader, WorkerSet, cpu_threads, exit_with_parent
 from radixlm.runtime.distributed.step import StepChannel
+from radixlm.runtime.faults import FaultBoundary, is_fatal
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
@@ -160,9 +161,10 @@ class EngineCore:
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset(arch.eos_token_ids) | ({eos} if eos is not None else set())
         self.grammar = GrammarStage(self._grammar_service, arch.vocab_size, config.constraint)
+        self.faults = FaultBoundary()  # docs/reliability.md, "Fault boundaries"
         self.overlap = sc.overlap_schedule if sc.overlap_schedule is not None else self.device.type == "cuda"
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self.grammar, self.context_length,
-                                      self._finish_turn, JumpPolicy(max_running=self._jump_cap()))
+                                      self._finish_turn, JumpPolicy(max_running=self._jump_cap()), self.faults)
         self.requests: dict[str, EngineRequest] = {}
         self._ahead: StepRun | None = None
         self._ahead_forward: AheadForward | None = None
@@ -315,14 +317,21 @@ class EngineCore:
             jump_forward=params.jump_forward and self.config.constraint.jump_forward,
             program=sub.program,
         )
-        self.scheduler.arrive(req)  # its place in line, kept while its grammar compiles
-        if params.constraint is not None:
-            self.grammar.submit(req)  # joins the scheduler once compiled
-        else:
-            self.scheduler.add(req)
-        self.requests[rid] = req
-        if plan is not None:
-            self.sessions.start_turn(plan, sub.session.replace if sub.session else False)
+        try:
+            self.faults.check("admit", [rid])
+            self.scheduler.arrive(req)  # its place in line, kept while its grammar compiles
+            if params.constraint is not None:
+                self.grammar.submit(req)  # joins the scheduler once compiled
+            else:
+                self.scheduler.add(req)
+            self.requests[rid] = req
+            if plan is not None:
+                self.sessions.start_turn(plan, sub.session.replace if sub.session else False)
+        except BaseException:  # nothing of a refused request stays behind
+            self.grammar.cancel(rid)
+            self.scheduler.finish(req, "abort", keep_in_cache=False)
+            self.requests.pop(rid, None)
+            raise
 
     def abort(self, rid: str) -> RequestOutput | None:
         """End a request wherever it is; its last output, or None if it is unknown."""
@@ -359,14 +368,28 @@ class EngineCore:
             t0 = time.perf_counter()
             self._ahead, self._ahead_forward = self._sample_ahead(self._ahead_forward), None
             self.step_seconds["sample"] += time.perf_counter() - t0
-        return outputs + self._ended_elsewhere()
+        outputs += self._ended_elsewhere()
+        if self.faults.unchecked:  # a fault was contained: what every request shares must be intact
+            self.faults.unchecked = False
+            report = self.integrity_report()
+            if not report["ok"]:
+                raise IntegrityError("after a request's fault: " + "; ".join(report["errors"]))
+        return outputs
+
+    def _fail(self, req: EngineRequest, phase: str, e: BaseException) -> RequestOutput:
+        """End req after a fault raised on its behalf (500); fatal errors propagate."""
+        return self.output.fail(req, self.faults.contain(req.rid, phase, e), internal=True)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is ready join the scheduler; a failed compile fails its request."""
         ready, failed = self.grammar.ready(idle=not self.scheduler.has_work)
         outputs = []
         for req in ready:
-            out = self.output.start(req)  # the grammar's forced opening joins the prefill
+            try:
+                out = self.output.start(req)  # the grammar's forced opening joins the prefill
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                outputs.append(self._end(self._fail(req, "jump", e)))
+                continue
             if out is not None and out.finished:
                 outputs.append(self._end(out))
                 continue
@@ -387,9 +410,12 @@ class EngineCore:
         if not scheduled:
             return None
         self._count_step(scheduled)
-        logits = self.runner.forward([s.seq for s in scheduled])
+        ended: list[RequestOutput] = []
+        scheduled, logits = self._forward(scheduled, ended)
         t0 = time.perf_counter()
         clock["forward"] += t0 - t1
+        if logits is None:  # every sequence of the step failed
+            return StepRun([], [], torch.zeros(0, dtype=torch.long, device=self.device), lambda: [], ended=tuple(ended))
         rows: list[int] = []
         samplers: list[EngineRequest] = []
         off = 0
@@ -398,26 +424,88 @@ class EngineCore:
             req.forward_passes += 1
             k = s.seq.num_logits
             if req.return_logprob and req.wants_input_logprobs:
-                self._input_logprobs(req, s, logits[off : off + k - (1 if s.samples else 0)])
-            if s.samples:
+                try:
+                    self.faults.check("logprobs", [req.rid])
+                    self._input_logprobs(req, s, logits[off : off + k - (1 if s.samples else 0)])
+                except Exception as e:  # noqa: BLE001 - ends this request only
+                    ended.append(self._fail(req, "logprobs", e))
+            if s.samples and req.status is Status.RUNNING:
                 rows.append(off + k - 1)
                 samplers.append(req)
             off += k
         if not samplers:
-            return StepRun(scheduled, [], logits[:0, 0].long(), lambda: [])
+            return StepRun(scheduled, [], torch.zeros(0, dtype=torch.long, device=self.device), lambda: [], ended=tuple(ended))
         if len(rows) < logits.shape[0] or logits.device.type != "cpu":
             # a non-blocking index: masks fill while the forward runs (on CUDA a copy also when
             # every row samples: the logits may live in a CUDA graph's output, which the next step overwrites)
             logits = logits[self.runner.to_device(rows)]
-        failed, tokens = self._mask_and_sample(logits, samplers)
-        ended = tuple(self.output.fail(req, error) for req, error in failed)
+        samplers, logits, tokens = self._sample(logits, samplers, ended)
         want_lp = any(r.return_logprob for r in samplers)
         clock["sample"] += time.perf_counter() - t0
-        return StepRun(scheduled, samplers, tokens, self.runner.fetch_ids(tokens), logits if want_lp else None, ended)
+        return StepRun(scheduled, samplers, tokens, self.runner.fetch_ids(tokens), logits if want_lp else None,
+                       tuple(ended))
+
+    def _forward(self, scheduled: list[Scheduled],
+                 ended: list[RequestOutput]) -> tuple[list[Scheduled], torch.Tensor | None]:
+        """The step's forward pass. If it raises, each sequence runs alone and the ones that
+        raise alone fail (their KV of this step is dropped); the rest keep their logits."""
+        def run(part: Sequence[Scheduled]) -> torch.Tensor:
+            self.faults.check("forward", [s.req.rid for s in part])
+            logits = self.runner.forward([s.seq for s in part])
+            # (alone, each part's logits are copied: a CUDA graph's output is overwritten by the next)
+            return logits if len(part) == len(scheduled) else logits.clone()
+
+        def fault(s: Scheduled, e: BaseException) -> None:
+            ended.append(self._fail(self.requests[s.req.rid], "forward", e))
+
+        kept, parts = self.faults.isolate(scheduled, run, fault)
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else None
+        return [scheduled[i] for i in kept], logits
+
+    def _sample(self, logits: torch.Tensor, reqs: list[EngineRequest],
+                ended: list[RequestOutput]) -> tuple[list[EngineRequest], torch.Tensor, torch.Tensor]:
+        """Mask and sample each row of ``logits`` (one a request). If that raises, each row goes
+        alone and the requests whose row raises alone fail. Returns the requests that drew a
+        token, their logits rows (masked) and their tokens."""
+        def run(idx: Sequence[int]) -> tuple[list[tuple[EngineRequest, str]], torch.Tensor]:
+            if len(idx) == len(reqs):
+                return self._mask_and_sample(logits, reqs)
+            rows = logits[list(idx)]
+            out = self._mask_and_sample(rows, [reqs[i] for i in idx])
+            logits[list(idx)] = rows  # (masked, for their logprobs)
+            return out
+
+        def fault(i: int, e: BaseException) -> None:
+            ended.append(self._fail(reqs[i], "sampling", e))
+
+        with torch.inference_mode():  # the forward's logits are inference tensors; masks write them in place
+            kept, parts = self.faults.isolate(range(len(reqs)), run, fault)
+        failed = {id(req): error for part in parts for req, error in part[0]}
+        ended.extend(self.output.fail(req, failed[id(req)]) for req in reqs if id(req) in failed)
+        tokens = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts]) if parts else logits[:0, 0].long()
+        if len(kept) < len(reqs):
+            logits = logits[kept]
+        return [reqs[i] for i in kept], logits, tokens
 
     def _queue_ahead(self, run: StepRun) -> None:
         """The overlap schedule: queue the next decode step of `run`'s requests on the device, on
-        the tokens `run` drew there, before the host sees them."""
+        the tokens `run` drew there, before the host sees them. If that raises, the step queued
+        ahead is dropped (its slots freed) and the requests' next step runs the plain way, whose
+        fault boundaries end the request at fault."""
+        held = {id(r): len(r.slots) for r in self.scheduler.running}
+        try:
+            self._try_queue_ahead(run)
+        except Exception as e:  # noqa: BLE001 - see above; fatal errors propagate
+            if is_fatal(e):
+                raise
+            log.warning("queueing a step ahead failed (%s: %s); the requests step again without it",
+                        type(e).__name__, e)
+            self._ahead = self._ahead_forward = None
+            for r in self.scheduler.running:
+                if id(r) in held and len(r.slots) > held[id(r)]:
+                    self.scheduler.rewind(r, held[id(r)])
+
+    def _try_queue_ahead(self, run: StepRun) -> None:
         live = [i for i, r in enumerate(run.samplers) if r.status is Status.RUNNING]
         reqs = [run.samplers[i] for i in live]
         others = self.scheduler.jumped_besides(reqs)  # requests whose extend joins the step
@@ -434,6 +522,7 @@ class EngineCore:
         ids = run.tokens if len(live) == len(run.samplers) else run.tokens[self.runner.to_device(live)]
         if extends:  # the forced tokens are on the host already
             ids = torch.cat([ids, self.runner.to_device([t for e in extends for t in e.seq.token_ids])])
+        self.faults.check("forward", [r.rid for r in reqs + jumped])
         logits = self.runner.forward(seqs + [e.seq for e in extends], ids=ids)
         step = [Scheduled(r, q, q.cached_len, True, False) for r, q in zip(reqs, seqs)] + extends
         self.ahead_steps += 1
@@ -443,6 +532,7 @@ class EngineCore:
             marks += [(len(r.output_ids), r.forced_tokens) for r in jumped]
             self._ahead_forward = AheadForward(step, reqs + jumped, logits, marks)
             return
+        self.faults.check("sample", [r.rid for r in reqs])
         tokens = sample_tokens(logits, self._sampling_batch(reqs, ahead=True))
         self._ahead = StepRun(step, reqs, tokens, self.runner.fetch_ids(tokens), queued_ahead=True)
 
@@ -458,19 +548,23 @@ class EngineCore:
         reqs = [ahead.reqs[i] for i in keep]
         with torch.inference_mode():  # the forward's logits are inference tensors; masks write them in place
             logits = ahead.logits if len(keep) == len(ahead.reqs) else ahead.logits[self.runner.to_device(keep)]
-            failed, tokens = self._mask_and_sample(logits, reqs)
-            ended = tuple(self.output.fail(req, error) for req, error in failed)
-        step = [ahead.step[i] for i in keep]
-        return StepRun(step, reqs, tokens, self.runner.fetch_ids(tokens), ended=ended, queued_ahead=True)
+        ended: list[RequestOutput] = []
+        sampled, _, tokens = self._sample(logits, reqs, ended)
+        mine = {id(r) for r in sampled}
+        step = [ahead.step[i] for i in keep if id(ahead.reqs[i]) in mine]
+        return StepRun(step, sampled, tokens, self.runner.fetch_ids(tokens), ended=tuple(ended), queued_ahead=True)
 
     def _mask_and_sample(self, logits: torch.Tensor,
                          reqs: list[EngineRequest]) -> tuple[list[tuple[EngineRequest, str]], torch.Tensor]:
         """Mask the constrained rows and draw a token per row; the rows whose mask can wait are
         drawn first and masked (and drawn again) only if their grammar forbids that token.
         Returns the requests whose grammar engine failed, with the error, and the tokens."""
+        rids = [r.rid for r in reqs]
+        self.faults.check("mask", rids)
         lazy = self.grammar.unmasked_rows(logits, reqs)
         failed = self.grammar.mask(logits, reqs, skip=lazy)
         batch = self._sampling_batch(reqs)
+        self.faults.check("sample", rids)
         tokens = sample_tokens(logits, batch)
         redo: list[int] = []
         if lazy:
@@ -524,18 +618,48 @@ class EngineCore:
             self._count_step(run.step)
             for i in live:
                 run.samplers[i].forward_passes += 1
+        ended = list(run.ended)
         lps = tops = None
         if run.logits is not None:
-            nums = [r.top_logprobs_num if r.return_logprob else 0 for r in run.samplers]
-            out = with_logprobs(run.logits, ids, run.tokens, nums, True)
-            lps, tops = out.logprobs, out.top_logprobs
+            lps, tops = self._output_logprobs(run, ids, ended)
+        live = [i for i in live if run.samplers[i].status is Status.RUNNING]
         reqs = [run.samplers[i] for i in live]
-        outputs = list(run.ended) + self.output.append(
+        outputs = ended + self.output.append(
             reqs, [ids[i] for i in live],
             None if lps is None else [lps[i] for i in live], None if tops is None else [tops[i] for i in live])
         self.scheduler.end_step(run.step)
         self.step_seconds["process"] += time.perf_counter() - t1
         return [self._end(o) if o.finished else o for o in outputs]
+
+    def _output_logprobs(self, run: StepRun, ids: list[int], ended: list[RequestOutput]
+                         ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+        """The sampled tokens' logprobs (and top logprobs) of a run's rows; a request whose row
+        raises alone fails (its entries are then placeholders nobody reads)."""
+        logits = run.logits
+        assert logits is not None
+        nums = [r.top_logprobs_num if r.return_logprob else 0 for r in run.samplers]
+
+        def rows(idx: Sequence[int]) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+            self.faults.check("logprobs", [run.samplers[i].rid for i in idx])
+            if len(idx) == len(run.samplers):
+                out = with_logprobs(logits, ids, run.tokens, nums, True)
+            else:
+                at = list(idx)
+                out = with_logprobs(logits[at], [ids[i] for i in at], run.tokens[at], [nums[i] for i in at], True)
+            return out.logprobs, out.top_logprobs
+
+        def fault(i: int, e: BaseException) -> None:
+            ended.append(self._fail(run.samplers[i], "logprobs", e))
+
+        kept, parts = self.faults.isolate(range(len(run.samplers)), rows, fault)
+        if len(kept) == len(run.samplers):
+            return parts[0]
+        lps: list[float] = [0.0] * len(run.samplers)
+        tops: list[list[tuple[int, float]]] = [[] for _ in run.samplers]
+        for i, (lp, top) in zip(kept, parts):
+            lps[i] = lp[0] if lp is not None else 0.0
+            tops[i] = top[0] if top is not None else []
+        return lps, tops
 
     def _ended_elsewhere(self) -> list[RequestOutput]:
         """Requests the scheduler ended on its own (max_new_tokens=0, out of memory)."""

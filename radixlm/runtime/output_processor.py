@@ -14,6 +14,7 @@ from typing import Any
 
 from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.faults import FaultBoundary
 from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.request import EngineRequest
 from radixlm.runtime.scheduler import Scheduler, Status
@@ -27,8 +28,9 @@ class RequestOutput:
     ``replace_from``: jump-forward re-tokenized output tokens already reported; drop the output
     ids from this index on before appending ``token_ids_delta`` (text is only ever appended).
     ``meta``: the totals once finished; before that, a logprob request's logprobs of the new tokens.
-    ``error``: the request failed (its constraint did not compile, or its grammar engine
-    failed); it is finished.
+    ``error``: the request failed (its constraint did not compile, its grammar engine failed,
+    or a fault was raised on its behalf); it is finished. ``internal``: the fault was the
+    engine's, not the request's input (HTTP 500 ``internal_error`` rather than 400).
     """
 
     rid: str
@@ -38,6 +40,7 @@ class RequestOutput:
     meta: dict[str, Any] = field(default_factory=dict)
     replace_from: int | None = None
     error: str | None = None
+    internal: bool = False
 
     def apply_ids(self, ids: list[int]) -> None:
         """Bring a list of this request's output ids up to date with this output."""
@@ -56,9 +59,12 @@ class Totals:
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, scheduler: Scheduler, grammar: GrammarStage, context_length: int,
-                 on_finish: Callable[[EngineRequest], dict[str, Any]], jump_policy: JumpPolicy) -> None:
+                 on_finish: Callable[[EngineRequest], dict[str, Any]], jump_policy: JumpPolicy,
+                 faults: FaultBoundary | None = None) -> None:
         """``on_finish``: called once per finished request, returns extra meta (its session turn);
-        ``jump_policy``: when a jump over forced text pays (the engine measures it at start-up)."""
+        ``jump_policy``: when a jump over forced text pays (the engine measures it at start-up);
+        ``faults``: where a fault in one request's output processing is contained."""
+        self.faults = faults or FaultBoundary()
         self.jump_policy = jump_policy
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -82,15 +88,18 @@ class OutputProcessor:
                 error = self.grammar.engine_error("accepting a token", took) if isinstance(took, Exception) else ""
                 results.append(self.fail(req, error))
                 continue
-            req.first_token_at = req.first_token_at or now
-            if req.return_logprob and logprobs is not None:
-                req.output_logprobs.append((logprobs[i], tok))
-                if req.top_logprobs_num and top_logprobs is not None:
-                    req.output_top_logprobs.append([(lp, t) for t, lp in top_logprobs[i]])
             try:
+                self.faults.check("accept", [req.rid])
+                req.first_token_at = req.first_token_at or now
+                if req.return_logprob and logprobs is not None:
+                    req.output_logprobs.append((logprobs[i], tok))
+                    if req.top_logprobs_num and top_logprobs is not None:
+                        req.output_top_logprobs.append([(lp, t) for t, lp in top_logprobs[i]])
                 results.append(self._advance(req, tok))
-            except StopRegexTimeout as e:  # a pattern too slow to search ends its request only
+            except StopRegexTimeout as e:  # a pattern too slow to search ends its request only (its input's fault)
                 results.append(self.fail(req, str(e)))
+            except Exception as e:  # noqa: BLE001 - a fault on this request's behalf ends it alone
+                results.append(self.fail(req, self.faults.contain(req.rid, "output processing", e), internal=True))
         return results
 
     def _advance(self, req: EngineRequest, tok: int) -> RequestOutput:
@@ -99,7 +108,10 @@ class OutputProcessor:
         if tok in req.eos_ids or tok in p.stop_token_ids:
             req.matched_stop = tok
         if req.matched_stop is None or p.no_stop_trim:  # a matched stop token stays out of the text
-            delta, matched = req.stop.feed(req.detok.push([tok]))
+            self.faults.check("detokenize", [req.rid])
+            text = req.detok.push([tok])
+            self.faults.check("stop", [req.rid])
+            delta, matched = req.stop.feed(text)
             if req.matched_stop is None and matched is None and req.matcher is not None:
                 try:
                     forced, matched, done = self._grammar_advance(req)
@@ -143,7 +155,10 @@ class OutputProcessor:
             return self.end_unscheduled(req, "abort", error=self.grammar.engine_error("jumping forward", e))
         if jump is None:
             return None
-        text, matched = self._apply_jump(req, jump.keep, list(jump.new_ids), jump.text)
+        try:
+            text, matched = self._apply_jump(req, jump.keep, list(jump.new_ids), jump.text)
+        except StopRegexTimeout as e:  # a stop regex too slow on the forced text: its input's fault
+            return self.end_unscheduled(req, "abort", error=str(e))
         if matched is not None:
             req.matched_stop = matched
             return self.end_unscheduled(req, "stop", text)
@@ -170,6 +185,7 @@ class OutputProcessor:
         return text, matched, matched is None and step.done
 
     def _apply_jump(self, req: EngineRequest, keep: int, new_ids: list[int], text: str) -> tuple[str, str | None]:
+        self.faults.check("jump", [req.rid])
         del req.output_ids[keep:]
         req.output_ids.extend(new_ids)
         self.scheduler.rewind(req, len(req.prompt_ids) + keep)
@@ -201,15 +217,27 @@ class OutputProcessor:
         req.replace_from = None
         return out
 
-    def fail(self, req: EngineRequest, error: str) -> RequestOutput:
-        """End req as aborted; a non-empty ``error`` is reported to its caller."""
-        self.scheduler.finish(req, "abort")
-        out = self.finish(req)
+    def fail(self, req: EngineRequest, error: str, internal: bool = False) -> RequestOutput:
+        """End req as aborted; a non-empty ``error`` is reported to its caller. ``internal``: a
+        fault raised on its behalf, so its KV of the step is not cached (it may not match its
+        tokens) and a failure of its last output is contained too."""
+        self.scheduler.finish(req, "abort", keep_in_cache=not internal)
+        req.status, req.finish_reason = Status.FINISHED, req.finish_reason or "abort"
+        try:
+            out = self.finish(req)
+        except Exception as e:  # noqa: BLE001 - its totals are lost, its caller still hears of it
+            if not internal:
+                raise
+            self.faults.contain(req.rid, "finishing", e)
+            self.grammar.forget(req.rid)
+            out = RequestOutput(req.rid, "", [], finished=True, meta={"id": req.rid, "finish_reason": {"type": "abort"}})
         out.error = error or None
+        out.internal = internal and out.error is not None
         return out
 
     def finish(self, req: EngineRequest, delta: str = "") -> RequestOutput:
         """The last output of a finished request, with its totals."""
+        self.faults.check("finish", [req.rid])
         out = self._output(req, delta)
         out.finished = True
         out.meta = self._meta(req)

@@ -31,6 +31,11 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # Above this the distribution is uniform in fp32 anyway; far above it logits / T underflow and
 # T * x overflows (1e300 made EOS sampleable inside min_new_tokens: issue 21).
 MAX_TEMPERATURE = 100.0
+# A top_p below the smallest normal float32 (~1.2e-38) decodes greedily: the sampler holds top_p in
+# float32, where it becomes 0 or a subnormal that a device may flush to 0, and a nucleus of mass 0
+# would keep no token at all. So small a nucleus is the most likely token alone (as in vLLM and
+# SGLang, which always keep that token).
+MIN_SAMPLED_TOP_P = 2.0**-126
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices", "structural_tag")
 # SGLang's names for parameters declared here under another name.
 ALIASES: dict[str, str] = {"sampling_seed": "seed"}
@@ -101,8 +106,8 @@ def _is_real(x: Any) -> bool:
 class SamplingParams:
     """How to sample one request's output; defaults match SGLang's native API.
 
-    ``top_k == -1`` means off. ``temperature == 0`` (below ``GREEDY_TEMPERATURE_EPS``) or
-    ``top_k == 1`` means greedy.
+    ``top_k == -1`` means off. ``temperature == 0`` (below ``GREEDY_TEMPERATURE_EPS``),
+    ``top_k == 1`` or a ``top_p`` below ``MIN_SAMPLED_TOP_P`` means greedy.
     ``stop`` / ``stop_token_ids`` accept a str / list and are stored as tuples;
     ``json_schema`` accepts a dict or a Pydantic model class and is stored as compact JSON text;
     ``choices`` (a list of strings: the output is exactly one of them) is stored as a tuple;
@@ -116,7 +121,8 @@ class SamplingParams:
                                     "(at most max_new_tokens)", "int", lo=0, openai="min_tokens", dsl=True)
     temperature: float = _param(1.0, "softmax temperature; 0: greedy", "float", lo=0, hi=MAX_TEMPERATURE,
                                 note="0 means greedy", openai_hi=2, dsl=True)
-    top_p: float = _param(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass",
+    top_p: float = _param(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass "
+                               "(below 1.2e-38, the smallest normal float32: greedy)",
                           "float", lo=0, lo_open=True, hi=1, dsl=True)
     top_k: int = _param(-1, "keep only the k most likely tokens; -1: off", "int", lo=1, off=-1, dsl=True)
     min_p: float = _param(0.0, "drop tokens less likely than min_p times the most likely one", "float",
@@ -223,8 +229,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when decoding takes the argmax: temperature 0 (< 1e-5) or top_k 1."""
-        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+        """True when decoding takes the argmax: temperature 0 (< 1e-5), top_k 1, or top_p < ~1.2e-38."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1 or self.top_p < MIN_SAMPLED_TOP_P
 
 
 # The declaration: every sampling parameter's Param, in field order.
@@ -351,6 +357,14 @@ def _schema_text(name: str, v: Any) -> Any:
         raise ValueError(f"{name} is not JSON-serializable: {e}") from None
 
 
+def show_float(v: float) -> str:
+    """A number as sent, for an error message: repr (2.0000001 stays 2.0000001, where %g printed 2),
+    a whole number without its '.0'."""
+    if v.is_integer() and abs(v) < 1e16:
+        return str(int(v))
+    return repr(v)
+
+
 def check_value(name: str, p: Param, v: Any) -> None:
     """ValueError naming the field when a normalized value is not valid for it."""
     if p.kind == "int" and not _is_int(v):
@@ -358,8 +372,7 @@ def check_value(name: str, p: Param, v: Any) -> None:
     if p.kind == "float" and (not _is_real(v) or not math.isfinite(v)):
         raise ValueError(f"{name} must be a finite number, got {v!r}")
     if p.kind in ("int", "float") and not p.in_range(v):
-        raise ValueError(f"{name} must be {p.range_text()}, got {v:g}" if p.kind == "float" else
-                         f"{name} must be {p.range_text()}, got {v}")
+        raise ValueError(f"{name} must be {p.range_text()}, got {show_float(v) if p.kind == 'float' else v}")
     if p.kind == "bool" and not isinstance(v, bool):
         raise ValueError(f"{name} must be a bool (true/false), got {v!r}")
     if p.kind == "seed" and v is not None and not _is_int(v):

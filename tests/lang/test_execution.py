@@ -94,6 +94,28 @@ def test_fork_prefills_the_parent_once_before_its_branches(engine, engine_backen
     assert all(m["cached_tokens"] >= parent_tokens - 1 for m in metas), [m["cached_tokens"] for m in metas]
 
 
+@sgl.function
+def live_fork(s, join: bool, read_back: bool):
+    s += "Name a color:" + sgl.gen("color", max_tokens=2, ignore_eos=True)
+    if s["color"] is None:  # a read of a generated value: the program runs step by step
+        return
+    f = s.fork(2)
+    f += " and a fruit:" + sgl.gen("fruit", max_tokens=2, ignore_eos=True)
+    if join:
+        f.join()
+    if read_back:  # SGLang's way to use branches without joining them
+        s += " Fruits:" + f[0]["fruit"] + f[1]["fruit"]
+
+
+def test_a_live_fork_never_joined_nor_read_is_a_value_error(engine_backend):
+    with pytest.raises(ValueError, match=r"fork 0 \(forked at .*test_execution.py:\d+\) is never joined, so the "
+                                         r"variables its branches set \(fruit\) would be dropped"):
+        live_fork.run(False, False, backend=engine_backend, temperature=0)
+    joined = live_fork.run(True, False, backend=engine_backend, temperature=0)
+    read = live_fork.run(False, True, backend=engine_backend, temperature=0)
+    assert len(joined["fruit"]) == 2 and read.text().endswith(" Fruits:" + "".join(joined["fruit"]))
+
+
 def test_gen_arguments_override_run_defaults(engine_backend):
     @sgl.function
     def two(s):

@@ -106,6 +106,65 @@ def test_nested_forks_trace_to_nested_branches():
     assert n_gen.dtype == "int" and n_gen.constraint.kind == "regex"
 
 
+@sgl.function
+def forgets_to_join(s):
+    s += "Ideas:"
+    f = s.fork(2)
+    f += sgl.gen("idea", max_tokens=4) + sgl.select("ok", ["yes", "no"])
+
+
+@sgl.function
+def forgets_the_inner_join(s):
+    outer = s.fork(2)
+    for branch in outer:
+        first = branch.fork(2)[0]
+        with first.var_scope("why"):
+            first += "because"
+    outer.join()
+
+
+@sgl.function
+def forks_without_variables_or_appends(s):
+    s.fork(2)  # only text in its branches: nothing to drop
+    f = s.fork(2)
+    f += sgl.gen("idea", max_tokens=4)
+    f.join("concate_and_append")
+
+
+def test_a_fork_never_joined_whose_branches_set_variables_is_a_value_error():
+    with pytest.raises(ValueError, match=r"fork 0 \(forked at .*test_ir.py:\d+\) is never joined, so the variables "
+                                         r"its branches set \(idea, ok\) would be dropped: call join\(\)"):
+        forgets_to_join.trace()
+    with pytest.raises(ValueError, match=r"fork 1 .*\(why\) would be dropped; fork 2 "):  # the inner forks
+        forgets_the_inner_join.trace()
+    g = forks_without_variables_or_appends.trace()
+    assert [type(n) for n in g.nodes] == [ForkNode, ForkNode, JoinNode]
+
+
+def test_a_graph_with_a_fork_never_joined_whose_branches_set_variables_is_refused():
+    """The IR holds the DSL's rule: a hand-written graph may not drop its branches' variables either."""
+    gen = {"op": "gen", "name": "idea"}
+    scope = [{"op": "var_begin", "name": "why"}, {"op": "text", "text": "because"}, {"op": "var_end", "name": "why"}]
+    doc = {"nodes": [
+        {"op": "fork", "id": 0, "branches": [[gen], [{"op": "select", "name": "ok", "choices": ["y"]}]]},
+        {"op": "fork", "id": 1, "branches": [[{"op": "fork", "id": 2, "branches": [scope]}]]},
+        {"op": "join", "fork": 1},
+        {"op": "fork", "id": 3, "branches": [[{"op": "text", "text": "no variables"}]]},
+    ]}
+    with pytest.raises(GraphError) as err:
+        Graph.from_json(json.dumps(doc))
+    assert err.value.problems == [
+        'nodes[0]: fork 0 is never joined, so the variables its branches set (idea, ok) would be dropped: '
+        'add {"op": "join", "fork": 0} after it in the same node list (each variable becomes a list of the '
+        "branches' values)",
+        'nodes[1].branches[0][0]: fork 2 is never joined, so the variables its branches set (why) would be '
+        'dropped: add {"op": "join", "fork": 2} after it in the same node list (each variable becomes a list '
+        "of the branches' values)"]
+    doc["nodes"][1]["branches"][0].append({"op": "join", "fork": 2})
+    doc["nodes"].insert(1, {"op": "join", "fork": 0, "mode": "concate_and_append"})
+    assert len(Graph.from_json(doc).nodes) == 5
+
+
 @pytest.mark.parametrize("program,kwargs", [(few_shot, {"question": "x"}), (roles, {"topic": "dogs"}), (nested, {})])
 def test_round_trip_program_graph_json_graph(program, kwargs):
     g = program.trace(**kwargs)

@@ -10,6 +10,8 @@ from radixlm.router.config import RouterConfig
 from radixlm.router.keys import SessionTable, ids_key, json_object, routing_key, session_of
 from radixlm.router.policies import POLICIES, CacheAware, make_policy
 from radixlm.router.tree import CharTree
+from radixlm.runtime.server.errors import ApiError
+from radixlm.runtime.server.payload import parse_body
 
 URLS = ("http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3")
 texts = st.lists(st.text(alphabet="abc", max_size=12), max_size=30)
@@ -201,9 +203,13 @@ def _nested(depth: int) -> object:
     (b'"text"', "the request body must be a JSON object, got a string"),
 ])
 def test_json_object_refuses_what_the_server_refuses(raw: bytes, msg: str) -> None:
+    """With the server's own 400 message, word for word (the router cannot import the server's parser)."""
     with pytest.raises(ValueError) as e:
         json_object(raw)
     assert str(e.value) == msg
+    with pytest.raises(ApiError) as server:
+        parse_body(raw)
+    assert (server.value.status, server.value.message) == (400, msg)
 
 
 def test_json_object_reads_what_the_server_reads() -> None:

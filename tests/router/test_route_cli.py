@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from radixlm.cli import build_route_parser, main, replica_args, router_options
+from radixlm.cli import (
+    build_parser,
+    build_route_parser,
+    dp_router_options,
+    main,
+    replica_args,
+    route_config,
+    router_options,
+    server_settings,
+)
 from radixlm.router.launcher import replica_env
+from radixlm.runtime.server.settings import API_KEY_ENV
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -32,6 +44,41 @@ def test_flags_come_from_the_config() -> None:
     assert opts["api_key"] == "k" and router_options(build_route_parser().parse_args([]))["api_key"] is None
     assert opts["worker_urls"] == ["http://a:1", "http://b:2"] and opts["policy"] == "round_robin"
     assert opts["balance_abs_threshold"] == 4 and opts["cache_threshold"] == 0.5  # the dataclass default
+
+
+def test_route_takes_the_key_as_the_server_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """--api-key, else --api-key-file, else $RADIXLM_API_KEY; an empty one is refused before anything starts."""
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+
+    def key(*args: str) -> str | None:
+        return route_config(build_route_parser().parse_args(["--worker-urls", "http://a:1", *args])).api_key
+
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert (key("--api-key", "flag"), key("--api-key-file", str(key_file)), key()) == ("flag", "from-file", "from-env")
+    with pytest.raises(ValueError, match="give --api-key or --api-key-file, not both"):
+        key("--api-key", "flag", "--api-key-file", str(key_file))
+    monkeypatch.delenv(API_KEY_ENV)
+    assert key() is None
+    monkeypatch.setenv(API_KEY_ENV, " ")
+    assert main(["route", "--worker-urls", "http://a:1"]) == 2
+    err = capsys.readouterr().err
+    assert "RADIXLM_API_KEY is set but empty" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_serve_dp_gives_its_router_the_replicas_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router of `serve --dp-size N` checks the key itself: the one the replicas get, however given."""
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    for args, key in [(["--api-key", "flag"], "flag"), (["--api-key-file", str(key_file)], "from-file"), ([], "from-env")]:
+        ns = build_parser().parse_args(["serve", "--dp-size", "2", "--router-policy", "round_robin", *args])
+        options = dp_router_options(ns, server_settings(ns).api_key)
+        assert options["api_key"] == key and options["policy"] == "round_robin"
+        assert replica_args(["--dp-size", "2", *args]) == args  # the replicas read it the same way
+    with pytest.raises(SystemExit):  # one key for all: no router-only key
+        build_parser().parse_args(["serve", "--dp-size", "2", "--router-api-key", "k"])
 
 
 def test_replica_args_and_env() -> None:

@@ -40,6 +40,9 @@ def test_defaults_match_sglang():
         ({"temperature": "hot"}, "temperature must be a finite number, got 'hot'"),
         ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
         ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"temperature": 100.0000001}, "temperature must be in [0, 100] (0 means greedy), got 100.0000001"),  # not 100
+        ({"top_p": 1 + 2**-52}, "top_p must be in (0, 1], got 1.0000000000000002"),
+        ({"temperature": 1e300}, "got 1e+300"),
         ({"top_k": 0}, "top_k must be -1 (off) or >= 1, got 0"),
         ({"top_k": -2}, "top_k must be -1 (off) or >= 1, got -2"),
         ({"top_k": 2.0}, "top_k must be an int, got 2.0"),
@@ -119,6 +122,9 @@ def test_is_greedy():
     assert SamplingParams(temperature=1e-7).is_greedy  # below the fp32-safe cut-off
     assert not SamplingParams(temperature=0.01).is_greedy
     assert not SamplingParams(top_k=2).is_greedy
+    # a top_p that is 0 (or subnormal) in float32 keeps only the most likely token, not none
+    assert SamplingParams(top_p=1e-46).is_greedy and SamplingParams(top_p=1e-300).is_greedy
+    assert SamplingParams(top_p=1e-39).is_greedy and not SamplingParams(top_p=1e-37).is_greedy
 
 
 def test_from_dict_and_round_trip():

@@ -35,6 +35,19 @@ ProgramMode = Literal["auto", "server", "client"]
 PROGRAM_MODES: tuple[ProgramMode, ...] = ("auto", "server", "client")
 
 
+def _gather_logprobs(held: dict[str, list[Any]], meta: dict[str, Any]) -> None:
+    """Keep a native stream's output logprobs whole in ``held``: a chunk holds the entries from
+    position output_token_logprobs_length - len(entries) on, the tokens new since the previous
+    chunk (a server without that field, as older SGLang, sends them all each time)."""
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            entries = meta[key]
+            start = meta.get("output_token_logprobs_length", len(entries)) - len(entries)
+            kept = held.setdefault(key, [])
+            del kept[start:]
+            kept.extend(entries)
+
+
 class BackendError(RuntimeError):
     """The server refused or failed a request; the message holds its error."""
 
@@ -206,6 +219,7 @@ class _EndpointConnection(GraphConnection):
             if resp.status != 200:
                 raise BackendError(resp.status, _error_message(await resp.text()))
             sent = 0
+            logprobs: dict[str, list[Any]] = {}
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -213,9 +227,10 @@ class _EndpointConnection(GraphConnection):
                 event = json.loads(line[len(b"data: "):])
                 if "error" in event:
                     raise BackendError(500, _error_message(json.dumps(event)))
-                text = event["text"]  # cumulative, as in SGLang
-                final = event["meta_info"].get("finish_reason") is not None
-                yield StreamChunk(text[sent:], event["meta_info"] if final else None)
+                text, meta = event["text"], event["meta_info"]  # text: cumulative, as in SGLang
+                _gather_logprobs(logprobs, meta)
+                final = meta.get("finish_reason") is not None
+                yield StreamChunk(text[sent:], {**meta, **logprobs} if final else None)
                 sent = len(text)
 
     async def prefill(self, text: str) -> int:

@@ -30,6 +30,8 @@ from radixlm.lang.interpreter.ir import (
     RoleEndNode,
     VarBeginNode,
     VarEndNode,
+    dropped_variables,
+    unjoined_forks,
 )
 from radixlm.lang.interpreter.state import StateCore
 
@@ -159,6 +161,7 @@ class Tracer:
 
     next_fork: int = 0
     sites: dict[int, str] = field(default_factory=dict)
+    fork_sites: dict[int, str | None] = field(default_factory=dict)  # fork id -> where the program forked
 
 
 @dataclass
@@ -182,6 +185,7 @@ class TracingState(StateSyntax):
 
     def _fork(self, size: int) -> ForkGroup:
         fork = _PendingFork(self.tracer.next_fork, [TracingState(self.tracer) for _ in range(size)])
+        self.tracer.fork_sites[fork.id] = call_site()
         self.tracer.next_fork += 1
         self.recorded.append(fork)
         return ForkGroup(self, list(fork.branches),
@@ -195,6 +199,24 @@ class TracingState(StateSyntax):
         return [ForkNode(id=n.id, branches=[b.nodes() for b in n.branches]) if isinstance(n, _PendingFork) else n
                 for n in self.recorded]
 
+    def unjoined_forks(self) -> list[str]:
+        """Each fork recorded here (or in a joined fork's branches) that is never joined although its
+        branches set variables: a traced program read none of them (a read ends the trace), so the
+        run would drop them. The IR's own rule (``unjoined_forks``), told with where each fork was made."""
+        return [_unjoined(f"fork {u.fork}", self.tracer.fork_sites.get(u.fork), u.names)
+                for u in unjoined_forks(self.nodes())]
+
+
+def _unjoined(fork: str, site: str | None, names: Sequence[str]) -> str:
+    return dropped_variables(f"{fork}{f' (forked at {site})' if site else ''}", names)
+
+
+def unjoined_fork_error(problems: Sequence[str]) -> ValueError:
+    """The error of a program whose forks would drop their branches' variables."""
+    return ValueError("; ".join(problems) + ": call join() on the fork (each variable becomes a list of the branches' "
+                      "values) or read them from the branches (forks[i]['name']); join('concate_and_append') keeps "
+                      "the branches' text instead")
+
 
 # -- live, step by step ----------------------------------------------------------------------
 class LiveRun:
@@ -203,6 +225,7 @@ class LiveRun:
     def __init__(self, loop: asyncio.AbstractEventLoop, ctx: RunContext) -> None:
         self.loop, self.ctx = loop, ctx
         self.states: list[LiveState] = []
+        self.forks: list[_LiveFork] = []
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn`` on the loop, after every earlier call (FIFO)."""
@@ -220,6 +243,29 @@ class LiveRun:
             if s.tail is not None:
                 s.tail.cancel()
 
+    def unjoined_forks(self) -> list[str]:
+        """Each fork of the finished run that was never joined, none of whose branches the program
+        read, although they set variables: those were dropped."""
+        problems = []
+        for i, f in enumerate(self.forks):
+            if f.joined or any(c.was_read for c in f.children):
+                continue
+            known = f.at_fork.get("known", set())
+            names = [name for c in f.children for name in c.core.variables if name not in known]
+            if names:
+                problems.append(_unjoined(f"fork {i}", f.site, names))
+        return problems
+
+
+@dataclass
+class _LiveFork:
+    """One fork of a live run: its branches, where it was made, and whether it was joined."""
+
+    children: list[LiveState]
+    site: str | None
+    at_fork: dict[str, Any]  # the parent's variables and text length when the branches began
+    joined: bool = False
+
 
 class LiveState(StateSyntax):
     """A state whose operations run on the loop as they are added."""
@@ -227,6 +273,7 @@ class LiveState(StateSyntax):
     def __init__(self, core: StateCore, run: LiveRun) -> None:
         self.core, self.run = core, run
         self.tail: asyncio.Task[None] | None = None  # the last queued operation (loop-owned)
+        self.was_read = False  # the program read this state (a fork branch's variables, say)
         run.states.append(self)
 
     def _chain(self, make_op: Callable[[], Awaitable[None]]) -> None:
@@ -250,6 +297,8 @@ class LiveState(StateSyntax):
     def _fork(self, size: int) -> ForkGroup:
         children = [LiveState(StateCore(), self.run) for _ in range(size)]
         at_fork: dict[str, Any] = {}
+        record = _LiveFork(children, call_site(), at_fork)
+        self.run.forks.append(record)
 
         def start() -> None:  # on the loop
             prev = self.tail
@@ -269,6 +318,8 @@ class LiveState(StateSyntax):
                 c.tail = task
 
         def join(mode: JoinMode) -> None:
+            record.joined = True
+
             def chain_join() -> None:  # on the loop, after the branches' queued operations
                 tails = [c.tail for c in children if c.tail is not None]
 
@@ -284,6 +335,8 @@ class LiveState(StateSyntax):
         return ForkGroup(self, list(children), join)
 
     def _read(self) -> StateCore:
+        self.was_read = True
+
         async def settled() -> None:
             if self.tail is not None:
                 await self.tail

@@ -20,7 +20,9 @@ from radixlm.runtime.programs.ir import (
     TextNode,
     VarBeginNode,
     VarEndNode,
+    dropped_variables,
     graph_json_schema,
+    unjoined_forks,
 )
 
 __all__ = [
@@ -43,4 +45,6 @@ __all__ = [
     "TextNode",
     "VarBeginNode",
     "VarEndNode",
+    "dropped_variables",
+    "unjoined_forks",
 ]

@@ -27,6 +27,7 @@ from radixlm.lang.interpreter.handles import (
     NeedsValue,
     Tracer,
     TracingState,
+    unjoined_fork_error,
 )
 from radixlm.lang.interpreter.ir import Graph, RoleBeginNode, RoleEndNode, TextNode
 from radixlm.lang.interpreter.state import StateCore
@@ -51,13 +52,17 @@ class Trace:
 
 
 def trace(func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Trace:
-    """Run ``func`` on a tracing state. The program's own exceptions propagate unchanged."""
+    """Run ``func`` on a tracing state. The program's own exceptions propagate unchanged; a fork
+    that would drop its branches' variables (never joined) is a ValueError."""
     tracer = Tracer()
     root = TracingState(tracer)
     try:
         func(root, *args, **kwargs)
     except NeedsValue:
         return Trace(None, list(root.recorded), tracer.sites)
+    problems = root.unjoined_forks()
+    if problems:
+        raise unjoined_fork_error(problems)
     return Trace(Graph(program=name, nodes=root.nodes()), list(root.recorded), tracer.sites)
 
 
@@ -111,6 +116,9 @@ async def _run_live(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[
     try:
         await loop.run_in_executor(pool, functools.partial(func, root, *args, **kwargs))
         await run.settle()
+        problems = run.unjoined_forks()
+        if problems:
+            raise unjoined_fork_error(problems)
     except BaseException:
         run.cancel()
         raise

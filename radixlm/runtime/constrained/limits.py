@@ -2,27 +2,34 @@
 
 Grammar engines compile some inputs in time that grows much faster than their size (xgrammar:
 ~0.2 s for a schema with 300 properties, ~330 s for 3,000; enums and ``choices`` lists of
-100k strings take minutes), and deep nesting overflows Python's recursion limit. These checks
-are linear in the spec's size, iterative (no recursion), and say what is too big and the limit.
-Measurements and the reasons for each default: docs/reliability.md, "Grammar, sampling-parameter
-and IR fuzzing". The defaults admit every schema of JSONSchemaBench (largest 59,862 bytes,
-deepest 63 levels, longest enum 463 values, largest count 131,072).
+100k strings take minutes), and deep nesting overflows Python's recursion limit, or the grammar
+engine's stack (llguidance follows ``$ref`` chains recursively: ~1,000 definitions that
+each refer to the next crash the process). These checks are linear in the spec's size, iterative
+(no recursion), and say what is too big and the limit. A schema's bytes are bounded loosely (real
+API schemas reach hundreds of KB); what it costs to compile is bounded by these checks, the
+compile time limit (``compile_pool.py``) and the grammar engine's own limits. Measurements and the
+reasons for each default: docs/reliability.md, "Grammar, sampling-parameter and IR fuzzing". The
+defaults admit every schema of JSONSchemaBench (largest 59,862 bytes, deepest 63 levels, 67
+through ``$ref``, longest enum 463 values, largest count 131,072).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_SHORTEST_TEXT", "GrammarBounds", "SpecLimits", "check_spec", "grammar_bounds"]
+__all__ = ["MAX_SHORTEST_TEXT", "GrammarBounds", "SpecLimits", "check_spec", "grammar_bounds", "ref_nesting"]
 
 # JSON Schema keywords holding a count that a grammar unrolls or counts up to.
 COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
                   "minContains", "maxContains")
 # Keywords whose values are data, not subschemas: their contents are not counted as nesting.
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# Keywords whose values map names to subschemas.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 # {m}, {m,}, {m,n} (regex and EBNF)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
@@ -30,19 +37,23 @@ _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 @dataclass(frozen=True)
 class SpecLimits:
-    """The largest constraint a request may carry. ``max_bytes``: the spec's text (a schema's
-    compact JSON, the regex or grammar, the choices' UTF-8 bytes together); ``max_nesting``:
-    JSON containers inside one another in a schema, open groups in a regex or EBNF rule;
-    ``max_enum``: values of one ``enum`` and strings of one ``choices``; ``max_repeat``: a
-    ``{m,n}`` count and the value of ``minLength``/``maxItems``/... ."""
+    """The largest constraint a request may carry. ``max_bytes``: the text of a regex, a grammar,
+    the choices' UTF-8 bytes together; ``max_schema_bytes``: a schema's compact JSON (a structural
+    tag's, its schemas included); ``max_nesting``: JSON containers inside one another in a schema,
+    open groups in a regex or EBNF rule; ``max_ref_nesting``: JSON containers inside one another
+    with each local ``$ref`` read as the schema it names; ``max_enum``: values of one ``enum`` and
+    strings of one ``choices``; ``max_repeat``: a ``{m,n}`` count and the value of
+    ``minLength``/``maxItems``/... ."""
 
     max_bytes: int = 131_072
+    max_schema_bytes: int = 1_048_576
     max_nesting: int = 128
+    max_ref_nesting: int = 1024
     max_enum: int = 4096
     max_repeat: int = 1_000_000
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_nesting", "max_enum", "max_repeat"):
+        for name in ("max_bytes", "max_schema_bytes", "max_nesting", "max_ref_nesting", "max_enum", "max_repeat"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -58,7 +69,10 @@ def check_spec(kind: str, norm: Any, limits: SpecLimits) -> None:
     if kind == "choices" and len(norm) > limits.max_enum:
         raise _too_big(kind, "the number of choices", len(norm), limits.max_enum, "enum")
     size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
-    if size > limits.max_bytes:
+    if kind in ("json_schema", "structural_tag"):
+        if size > limits.max_schema_bytes:
+            raise _too_big(kind, "its size in bytes", size, limits.max_schema_bytes, "schema-bytes")
+    elif size > limits.max_bytes:
         raise _too_big(kind, "its size in bytes", size, limits.max_bytes, "bytes")
     for text in texts:
         bad = _SURROGATE.search(text)
@@ -90,6 +104,7 @@ def _check_schema(schema: Any, limits: SpecLimits) -> None:
     """Nesting, enum sizes, counts and patterns of a parsed schema, walked without recursion."""
     kind = "json_schema"
     stack: list[tuple[Any, int]] = [(schema, 1)]
+    refs = False
     while stack:
         node, depth = stack.pop()
         if depth > limits.max_nesting:
@@ -100,6 +115,7 @@ def _check_schema(schema: Any, limits: SpecLimits) -> None:
             continue
         if not isinstance(node, dict):
             continue
+        refs = refs or isinstance(node.get("$ref"), str)
         enum = node.get("enum")
         if isinstance(enum, list) and len(enum) > limits.max_enum:
             raise _too_big(kind, "the number of enum values", len(enum), limits.max_enum, "enum")
@@ -114,8 +130,140 @@ def _check_schema(schema: Any, limits: SpecLimits) -> None:
                 raise _too_big(kind, "the nesting of groups in a 'pattern'", depth_in, limits.max_nesting, "nesting")
             _check_repeats(kind, pattern, limits)
         for key, value in node.items():
-            if key not in _DATA_KEYWORDS and isinstance(value, (dict, list)):
+            if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: a property "enum" is no keyword
+                stack.extend((sub, depth + 2) for sub in value.values())
+            elif key not in _DATA_KEYWORDS and isinstance(value, (dict, list)):
                 stack.append((value, depth + 1))
+    if refs:
+        depth = ref_nesting(schema)
+        if depth > limits.max_ref_nesting:
+            raise _too_big(kind, "its nesting through $ref (objects and arrays inside one another, each $ref "
+                           "read as the schema it names)", depth, limits.max_ref_nesting, "ref-nesting")
+
+
+def _resolve_local(ref: str, root: Any) -> Any:
+    """The node a local ``$ref`` (``#``, ``#/a/b``) names in ``root``; None for any other."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _own_nesting(node: Any) -> tuple[int, list[str]]:
+    """How deep containers nest in the schema ``node`` (``$defs`` left out: they count where
+    a ``$ref`` names them) and the ``$ref`` strings it holds."""
+    best, refs = 0, []
+    stack: list[tuple[Any, int]] = [(node, 1)]
+    while stack:
+        n, depth = stack.pop()
+        best = max(best, depth)
+        if isinstance(n, list):
+            stack.extend((v, depth + 1) for v in n)
+            continue
+        if not isinstance(n, dict):
+            continue
+        if isinstance(n.get("$ref"), str):
+            refs.append(n["$ref"])
+        for key, value in n.items():
+            if key in ("$defs", "definitions"):
+                continue
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend((sub, depth + 2) for sub in value.values())
+            elif key not in _DATA_KEYWORDS and isinstance(value, (dict, list)):
+                stack.append((value, depth + 1))
+    return best, refs
+
+
+def ref_nesting(schema: Any) -> int:
+    """An upper bound of how deep JSON containers nest in ``schema`` when each local ``$ref`` is
+    read as the schema it names: what a grammar engine that compiles references recursively
+    descends through. A reference back into a cycle is not followed again (an engine refers to
+    the rule it is building), so a cycle of schemas counts each member once: the longest path
+    through the graph of referenced schemas, each strongly connected component weighing the sum
+    of its members' own nesting. Linear in the schema's size; no recursion."""
+    index: dict[int, int] = {}
+    nodes: list[Any] = []
+    todo: list[int] = []
+
+    def node_id(node: Any) -> int:
+        if id(node) not in index:
+            index[id(node)] = len(nodes)
+            nodes.append(node)
+            todo.append(len(nodes) - 1)
+        return index[id(node)]
+
+    node_id(schema)
+    own: dict[int, int] = {}
+    succ: dict[int, list[int]] = {}
+    while todo:
+        i = todo.pop()
+        own[i], refs = _own_nesting(nodes[i])
+        succ[i] = [node_id(t) for t in (_resolve_local(r, schema) for r in refs) if isinstance(t, (dict, list))]
+    comp = _components(len(nodes), succ)
+    # Tarjan numbers components sinks first: each one's successors are done before it
+    members: dict[int, list[int]] = {}
+    for v, c in enumerate(comp):
+        members.setdefault(c, []).append(v)
+    longest: dict[int, int] = {}
+    for c in sorted(members):
+        after = max((longest[comp[w]] for v in members[c] for w in succ[v] if comp[w] != c), default=0)
+        longest[c] = sum(own[v] for v in members[c]) + after
+    return longest[comp[0]]
+
+
+def _components(n: int, succ: dict[int, list[int]]) -> list[int]:
+    """Strongly connected components of a graph (Tarjan's, iterative): per vertex, its
+    component's number, sinks numbered first."""
+    order = [-1] * n
+    low = [0] * n
+    on_stack = [False] * n
+    comp = [-1] * n
+    stack: list[int] = []
+    counter = components = 0
+    for start in range(n):
+        if order[start] >= 0:
+            continue
+        order[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack[start] = True
+        work = [(start, 0)]
+        while work:
+            v, i = work[-1]
+            if i < len(succ[v]):
+                work[-1] = (v, i + 1)
+                w = succ[v][i]
+                if order[w] < 0:
+                    order[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack[w] = True
+                    work.append((w, 0))
+                elif on_stack[w]:
+                    low[v] = min(low[v], order[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == order[v]:
+                while True:
+                    w = stack.pop()
+                    on_stack[w] = False
+                    comp[w] = components
+                    if w == v:
+                        break
+                components += 1
+    return comp
 
 
 def _group_depth(text: str, quotes: bool) -> int:

@@ -12,7 +12,7 @@ llguidance's Earley parser over a token trie.
 - json_schema → llguidance's own JSON Schema compiler, with our separators and no other
   whitespace unless configured; it refuses by name what it does not enforce (``not``,
   ``uniqueItems``, an overlapping ``oneOf``...). Before that, :func:`prepare_schema` drops the
-  formats no validator knows and refuses what it gets wrong; in strict mode
+  formats llguidance does not enforce and refuses what it gets wrong; in strict mode
   (``GrammarConfig.json_strict``, what generation uses) :func:`close_objects` allows no
   properties beyond those a schema names, as xgrammar's strict mode does.
 - regex → llguidance's regex (Rust ``regex`` syntax, the whole output matches; ``^``/``$`` at
@@ -46,18 +46,16 @@ from radixlm.runtime.constrained.grammar import (
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema, exclude_each_other
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
-__all__ = ["KNOWN_FORMATS", "STANDARD_FORMATS", "LLGuidanceBackend", "LLGuidanceGrammar", "LLGuidanceMatcher", "choices_to_lark",
+__all__ = ["KNOWN_FORMATS", "LLGuidanceBackend", "LLGuidanceGrammar", "LLGuidanceMatcher", "choices_to_lark",
            "close_objects", "prepare_schema", "refers_to_special_tokens"]
 
 _REGEX_META = set("\\.+*?()|[]{}^$")
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
-# The string formats llguidance (1.9) enforces; others it refuses by name.
+# The string formats llguidance (1.9) enforces; others it refuses by name. Any other format
+# (JSON Schema's "uri-template", "uri-reference", "regex"..., OpenAPI's "byte", "int32",
+# Pydantic's "password") is dropped: JSON Schema 2020-12 reads ``format`` as an annotation unless
+# a validator is told to assert it, so such a string is any string.
 KNOWN_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
-# The other formats JSON Schema (2020-12) defines: a validator that asserts formats checks them,
-# so a schema with one is refused. Any other format (Pydantic's "password", "binary", OpenAPI's
-# "int32"...) no validator knows: an annotation, dropped.
-STANDARD_FORMATS = KNOWN_FORMATS | {"idn-email", "idn-hostname", "uri-reference", "iri", "iri-reference",
-                                    "uri-template", "json-pointer", "relative-json-pointer", "regex"}
 _POSITION = re.compile(r"^at \d+\(\d+\): ")
 # Every grammar is Lark with this header. no_forcing: where the grammar forces bytes, the mask
 # allows every token the grammar allows, as elsewhere (without it, llguidance allows only the
@@ -80,10 +78,9 @@ def prepare_schema(schema: Any) -> Any:
     """The schema llguidance compiles for ``schema`` (a copy), or UnsupportedSchema for what
     llguidance accepts but cannot enforce. Every (sub)schema is looked at, referenced or not.
 
-    - ``format`` values outside JSON Schema's list (``int32``, ``password``...) are dropped:
-      llguidance refuses them, but no validator asserts a format it does not know. JSON
-      Schema's own formats llguidance does not enforce (``uri-reference``, ``regex``...) are
-      refused, since a validator that asserts formats checks them; those it knows it enforces.
+    - ``format`` values llguidance does not enforce (``uri-template``, ``byte``, ``int32``...)
+      are dropped (llguidance refuses them): a format is an annotation unless a validator is
+      told to assert it, so the string is any string. Those it knows it enforces.
     - llguidance lets a key beyond ``properties``/``required`` repeat (``{"b":1,"b":2}``, allowed
       by ``additionalProperties`` or ``patternProperties``) and counts each repeat towards
       ``minProperties``; a validator counts the key once. The required keys are unique, so one
@@ -106,9 +103,6 @@ def prepare_schema(schema: Any) -> Any:
             continue
         fmt = node.get("format")
         if isinstance(fmt, str) and fmt not in KNOWN_FORMATS:
-            if fmt in STANDARD_FORMATS:
-                raise UnsupportedSchema(f"'format': {fmt!r} is not supported by the llguidance backend "
-                                        f"(at {where or '/'})")
             del node["format"]
         least = node.get("minProperties")
         required = node.get("required")
@@ -130,8 +124,11 @@ def prepare_schema(schema: Any) -> Any:
                 if groups is not None:
                     del node["oneOf"]
                     node["anyOf"] = _exactly_one_group(groups)
-        stack.extend((v, f"{where}/{k}") for k, v in node.items()
-                     if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+        for k, v in node.items():
+            if k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema: a property "not" is no keyword
+                stack.extend((sub, f"{where}/{k}/{name}") for name, sub in v.items())
+            elif k not in _DATA_KEYWORDS and isinstance(v, (dict, list)):
+                stack.append((v, f"{where}/{k}"))
     return schema
 
 

@@ -1,5 +1,6 @@
 """The CPU's block-quantized products, compiled at start by LLVM (the llvmlite wheel brings it, so a
-user's machine needs no compiler): 4-bit (GGUF Q4_1/Q4_0/Q4_K) and 8-bit (Q8_0) weight blocks
+user's machine needs no compiler; the object is kept in the cache dir for the next process:
+object_cache.py): 4-bit (GGUF Q4_1/Q4_0/Q4_K) and 8-bit (Q8_0) weight blocks
 times int8 activation blocks in integers, as llama.cpp multiplies at batch 1: through AVX-512
 VNNI where the processor has it, else through AVX2. torch's own int4 kernel converts
 each weight to a float and stays compute-bound (~16 GB/s on a Zen 4 core pair), and has no fast
@@ -19,23 +20,29 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from radixlm.runtime.kernels import native_ir
+from radixlm.runtime.config import default_cache_dir
+from radixlm.runtime.kernels import native_ir, object_cache
 from radixlm.runtime.kernels.cpuinfo import cpuinfo_field
+
+logger = logging.getLogger(__name__)
 
 GROUP = 32
 # the processor features each instruction set of native_ir needs (LLVM's names)
 NEEDS = {"avx512": ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni", "+f16c", "+fma"),
          "avx2": ("+avx2", "+fma", "+f16c")}
 BF16_NEEDS = "+avx512bf16"  # ... and the AVX-512 module's bf16 prompt attention (`vdpbf16ps`)
+OBJECT_FORMAT = "mcjit-o3-1"  # how `_compiled` makes the object: change it when that changes
 
 
 def _host_features() -> set[str]:
@@ -89,14 +96,15 @@ class _Library:
             features = ",".join("-" + f[1:] if f[1:].startswith(("avx512", "amx", "gfni")) else f
                                 for f in features.split(","))
         self.isa = isa
-        self.machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=features, opt=3)
+        cpu = llvm.get_host_cpu_name()
+        self.machine = target.create_target_machine(cpu=cpu, features=features, opt=3)
         self.omp = isa in native_ir.TILE_ISAS and _bind_openmp(llvm)
         self.bf16 = isa == "avx512" and BF16_NEEDS in features.split(",")
-        module = llvm.parse_assembly(native_ir.module_ir(isa, omp=self.omp, bf16=self.bf16))
-        module.verify()
-        builder = llvm.create_pass_builder(self.machine, llvm.create_pipeline_tuning_options(speed_level=3))
-        builder.getModulePassManager().run(module, builder)
-        self.engine = llvm.create_mcjit_compiler(module, self.machine)
+        # (from_cache: whether the object came from the cache dir rather than from a compile)
+        obj, self.from_cache = _compiled(llvm, self.machine, isa, cpu, features,
+                                         native_ir.module_ir(isa, omp=self.omp, bf16=self.bf16))
+        self.engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), self.machine)
+        self.engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
         self.engine.finalize_object()
         p, i = ctypes.c_void_p, ctypes.c_int64
         address = self.engine.get_function_address
@@ -176,6 +184,30 @@ class _Library:
         for thread in self.threads:
             thread.join(timeout=1.0)
         self.threads, self.threads_started = [], False
+
+
+def _compiled(llvm: Any, machine: Any, isa: str, cpu: str, features: str, ir: str) -> tuple[bytes, bool]:
+    """The object code of `ir` for `machine`, and whether it came from the cache dir
+    (`object_cache`): there under a key of the IR, the processor and features it is compiled for,
+    the instruction set and the llvmlite and LLVM versions; else compiled (O3) and kept there."""
+    import llvmlite
+
+    digest = object_cache.key(ir, cpu, features, isa, machine.triple, llvmlite.__version__,
+                              ".".join(map(str, llvm.llvm_version_info)), OBJECT_FORMAT)
+    path = object_cache.entry(default_cache_dir(), isa, digest)
+    obj = object_cache.read(path)
+    if obj is not None:
+        logger.debug("native kernels (%s) loaded from %s", isa, path)
+        return obj, True
+    start = time.perf_counter()
+    module = llvm.parse_assembly(ir)
+    module.verify()
+    builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+    builder.getModulePassManager().run(module, builder)
+    obj = machine.emit_object(module)
+    logger.info("native kernels (%s) compiled in %.1f s", isa, time.perf_counter() - start)
+    object_cache.write(path, obj)
+    return obj, False
 
 
 OPENMP_SYMBOLS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")

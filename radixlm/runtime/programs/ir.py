@@ -3,13 +3,15 @@
 A graph is a sequence of nodes for the root state. A ``fork`` node holds one node sequence per
 branch; a later ``join`` node in the same sequence names the fork it gathers. Loading validates
 the structure (versions, known ops, balanced roles and variable scopes, joins after their forks,
-sampling values) and raises ``GraphError`` with every problem found.
+no fork left unjoined whose branches set variables, sampling values) and raises ``GraphError``
+with every problem found.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -200,6 +202,9 @@ class Graph(BaseModel):
     def _check_structure(self) -> Graph:
         problems: list[str] = []
         _check_sequence(self.nodes, "nodes", set(), [], problems)
+        problems += [f"{u.location}: {dropped_variables(f'fork {u.fork}', u.names)}: add "
+                     f'{{"op": "join", "fork": {u.fork}}} after it in the same node list (each variable becomes '
+                     f"a list of the branches' values)" for u in unjoined_forks(self.nodes)]
         if problems:
             raise _StructureProblems(problems)
         return self
@@ -261,6 +266,56 @@ def _check_sequence(nodes: list[Any], where: str, fork_ids: set[int], open_roles
             forks_here.discard(node.fork)
     if scopes:
         problems.append(f"{where}: var_scope {scopes[-1]!r} is never closed")
+
+
+@dataclass(frozen=True)
+class UnjoinedFork:
+    """A fork never joined although its branches set variables: a run would drop them."""
+
+    location: str  # the fork node's path, e.g. "nodes[2].branches[0][1]"
+    fork: int
+    names: tuple[str, ...]  # the variables its branches set, in order, each once
+
+
+def unjoined_forks(nodes: Sequence[Node], where: str = "nodes") -> list[UnjoinedFork]:
+    """Each fork in ``nodes`` (or in a joined fork's branches) with no join after it in its own
+    sequence, whose branches set variables. Nothing reads a branch's variables but a join, so these
+    would be lost; the DSL refuses such a program and the IR such a graph."""
+    return _unjoined_forks(nodes, where, 0)
+
+
+def _unjoined_forks(nodes: Sequence[Node], where: str, depth: int) -> list[UnjoinedFork]:
+    joined = {n.fork for n in nodes if isinstance(n, JoinNode)}
+    found = []
+    for i, n in enumerate(nodes):
+        if not isinstance(n, ForkNode) or depth == MAX_FORK_DEPTH:  # deeper forks are refused already
+            continue
+        at = f"{where}[{i}]"
+        if n.id in joined:
+            for b, branch in enumerate(n.branches):
+                found += _unjoined_forks(branch, f"{at}.branches[{b}]", depth + 1)
+            continue
+        names = _set_names([node for branch in n.branches for node in branch], depth + 1)
+        if names:
+            found.append(UnjoinedFork(_short(at), n.id, tuple(dict.fromkeys(names))))
+    return found
+
+
+def _set_names(nodes: Sequence[Node], depth: int) -> list[str]:
+    """The variables ``nodes`` set (nested forks' branches included)."""
+    names: list[str] = []
+    for n in nodes:
+        if isinstance(n, ForkNode) and depth < MAX_FORK_DEPTH:
+            names += _set_names([node for branch in n.branches for node in branch], depth + 1)
+        elif isinstance(n, (GenNode, SelectNode, VarEndNode)) and n.name:
+            names.append(n.name)
+    return names
+
+
+def dropped_variables(fork: str, names: Sequence[str]) -> str:
+    """The words for a fork whose branches' variables would be dropped (the DSL's errors and the IR's)."""
+    return f"{fork} is never joined, so the variables its branches set ({', '.join(dict.fromkeys(names))}) " \
+           f"would be dropped"
 
 
 def _problems(e: ValidationError) -> list[str]:

@@ -2,6 +2,10 @@
 
 Every step carries all decoding requests (one token each) plus as many prompt tokens as the
 prefill budget allows (chunked when a prompt is longer), so long prompts never stall decodes.
+Within a step, decodes go first, then waiting prompts that fit the step whole, then the pieces
+of longer prompts. The budget is cut to what runs in `prefill_step_seconds` (a prompt token's
+cost measured on recent steps, `StepCosts`), and while requests decode, pieces of long prompts
+wait whenever they have made the decodes more than `decode_slowdown` times slower on average.
 Admission is by KV budget; when decode runs out of slots, the cache is evicted first, then
 idle KV held outside requests (session pins) is reclaimed, and only then the request that loses
 least is retracted (its KV goes into the cache, it waits again and resumes with the same
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.radix_cache import PrefixCache, SlotAllocator
+from radixlm.runtime.scheduler.pacing import StepCosts
 from radixlm.runtime.scheduler.policy import POLICIES
 from radixlm.runtime.scheduler.request import ProgramTag, Request, Status
 
@@ -42,6 +48,9 @@ DEDUP_MIN = 16
 # Programs remembered as started when nobody ends them (a client naming its programs): the oldest
 # are forgotten past this many per running-request row.
 PROGRAMS_PER_ROW = 4
+# The fewest prompt tokens a step's time limit leaves a step (a slow model or a loaded machine
+# must still make progress, in pieces that do not cost mostly per-step overhead).
+MIN_TIMED_PIECE = 32
 
 
 @dataclass(frozen=True)
@@ -103,12 +112,14 @@ class Scheduler:
         max_context: int,
         reclaim: Callable[[], bool] | None = None,
         graph_room: GraphRoom | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``reclaim``: release one holder of locked cache KV that no request needs (a session's
         pin, least recently used first), so that it becomes evictable; False when none is left.
         Called before a running request is retracted or ended for lack of KV, and when nothing
         at all can be scheduled. ``graph_room``: what a step replayed as a CUDA graph holds
-        (None: no graphs)."""
+        (None: no graphs). ``clock``: seconds, read when a step is scheduled and when it ends
+        (``end_step``), to measure what steps cost."""
         if config.policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {config.policy!r}; choose one of {sorted(POLICIES)}")
         self.config = config
@@ -117,6 +128,9 @@ class Scheduler:
         self.max_context = max_context
         self.reclaim = reclaim
         self.graph_room = graph_room
+        self.clock = clock
+        self.costs = StepCosts(config.decode_slowdown)
+        self._timed: tuple[list[Scheduled], float] | None = None  # the step in flight, and when it was scheduled
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.free_rows = list(range(config.max_running_requests - 1, -1, -1))
@@ -167,18 +181,24 @@ class Scheduler:
                 f"holds ({self.allocator.num_slots}); raise max_total_tokens or shorten the prompt"
             )
 
-    def finish(self, req: Request, reason: str) -> None:
-        """End a request (done, stopped or aborted) and release everything it holds."""
+    def finish(self, req: Request, reason: str, keep_in_cache: bool = True) -> None:
+        """End a request (done, stopped or aborted) and release everything it holds. Idempotent:
+        a finished request, or one in no queue (never added), is only marked finished.
+        ``keep_in_cache`` False: its KV beyond the cached prefix is freed, not cached (a request
+        that failed mid-step may hold KV that does not match its tokens)."""
         if req.status is Status.FINISHED:
             return
-        if req.status is Status.WAITING:
-            self.waiting.remove(req)
-        else:
-            self._release(req, keep_in_cache=True)
+        queued = False
+        if any(r is req for r in self.running):
+            self._release(req, keep_in_cache=keep_in_cache)
             self.running.remove(req)
+            queued = True
+        elif any(r is req for r in self.waiting):
+            self.waiting.remove(req)
+            queued = True
         req.status = Status.FINISHED
         req.finish_reason = reason
-        if req.program is not None and self.config.program_scheduling:
+        if queued and req.program is not None and self.config.program_scheduling:
             self._went(req.program.id)
 
     def end_reason(self, req: Request) -> str | None:
@@ -244,9 +264,14 @@ class Scheduler:
         decoding, no other prompt in flight or waiting) up to ``max_prefill_tokens``. Chunks keep
         other requests' tokens coming between the pieces of a long prompt; with none to serve they
         only cost the prompt speed (an 8B model's 4k prompt on one H200: one step 1.14x faster than
-        chunks of 512; docs/benchmarks.md)."""
+        chunks of 512; docs/benchmarks.md). Either is cut to what is expected to run in
+        ``prefill_step_seconds`` (not below MIN_TIMED_PIECE): on a 2-core CPU a step of 4,096
+        prompt tokens took seconds, and every request arriving meanwhile waited for it."""
         alone = not decoding and len(prefilling) + len(self.waiting) == 1
-        return max(self.prefill_budget, self.config.max_prefill_tokens) if alone else self.prefill_budget
+        tokens = max(self.prefill_budget, self.config.max_prefill_tokens) if alone else self.prefill_budget
+        seconds = self.config.prefill_step_seconds
+        fit = self.costs.tokens_within(seconds) if seconds else None
+        return tokens if fit is None else min(tokens, max(fit, MIN_TIMED_PIECE))
 
     def abort(self, rid: str) -> Request | None:
         for req in self.waiting + self.running:
@@ -263,10 +288,12 @@ class Scheduler:
     def schedule(self) -> list[Scheduled]:
         """Pick this step's work and allocate KV slots for it."""
         self._steps += 1
+        start = self.clock()
         out = self._schedule()
         # KV held for later (fork prefixes, session pins) never starves live requests: reclaim it until work fits
         while not out and self.has_work and self._reclaim():
             out = self._schedule()
+        self._timed = (out, start) if out else None
         return out
 
     def _reclaim(self) -> bool:
@@ -285,7 +312,15 @@ class Scheduler:
         prefilling = [r for r in self.running if not r.is_decoding]
         out = [self._step(r, 1, prefill=False) for r in self._make_room_for_decode(decoding)]
         budget = self._step_budget(decoding, prefilling)
-        for req in prefilling:  # a prompt already in flight (chunked) continues first
+        pieces = not out or self.costs.pieces_may_run
+        if self.waiting and budget > 0 and self.free_rows and (prefilling or not pieces):
+            # prompts that fit this step whole go before the pieces of longer ones
+            whole = self._admit(budget, self._room(out), whole=True)
+            budget -= sum(len(s.seq.token_ids) for s in whole)
+            out += whole
+        if not pieces:  # the decodes are owed time: long prompts wait
+            return out
+        for req in prefilling:  # a prompt already in flight (chunked) continues
             if budget <= 0:
                 return out
             s = self._prefill_chunk(req, budget)
@@ -294,8 +329,11 @@ class Scheduler:
             budget -= len(s.seq.token_ids)
             out.append(s)
         if self.waiting and budget > 0 and self.free_rows:
-            out.extend(self._admit(budget, None if self.graph_room is None else self.graph_room.left(out)))
+            out.extend(self._admit(budget, self._room(out)))
         return out
+
+    def _room(self, step: Sequence[Scheduled]) -> int | None:
+        return None if self.graph_room is None else self.graph_room.left(step)
 
     def end_step(self, step: Sequence[Scheduled]) -> None:
         """After the step's tokens were appended: put just-finished prompts into the cache, so
@@ -310,6 +348,10 @@ class Scheduler:
                 self._hold_prefix(req)
             elif self.cache.shares_prefixes:  # the step's tokens, not a slot queued ahead since
                 self._cache_prefix(req, upto=s.seq.cached_len + len(s.seq.token_ids))
+        timed, self._timed = self._timed, None
+        if timed is not None and timed[0] is step:  # (a step queued ahead was not timed from its start)
+            prompt = sum(len(s.seq.token_ids) for s in step if s.prefill)
+            self.costs.observe(self.clock() - timed[1], prompt, sum(not s.prefill for s in step))
 
     # -- programs ------------------------------------------------------------------------
     def end_program(self, program_id: str) -> None:
@@ -550,9 +592,10 @@ class Scheduler:
         """Slots req is expected to still take: its uncomputed prompt plus a share of its output."""
         return req.fill_len - max(cached, len(req.slots)) + int(req.remaining_new_tokens() * self.new_token_ratio)
 
-    def _admit(self, budget: int, room: int | None) -> list[Scheduled]:
+    def _admit(self, budget: int, room: int | None, whole: bool = False) -> list[Scheduled]:
         """Admit waiting requests while the budgets allow. ``room``: tokens the step can still take
-        and replay as a CUDA graph (None: no limit); a short prompt piece past it waits."""
+        and replay as a CUDA graph (None: no limit); a short prompt piece past it waits. ``whole``:
+        only requests whose prompt fits the budget whole (the rest keep their place in line)."""
         out: list[Scheduled] = []
         in_flight = [r for r in self.running if len(r.slots) < r.fill_len or not r.output_ids]
         reserved = sum(self._expected_need(r, 0) for r in self.running)
@@ -602,6 +645,8 @@ class Scheduler:
             if self.cache.shares_prefixes and any(self._shares_uncached(req, other, cached) for other in in_flight):
                 defer(req)  # it waits for that prefix
                 continue
+            if whole and req.fill_len - cached > budget:
+                continue  # (it goes after the pieces of prompts in flight)
             need = self._expected_need(req, cached)
             if need > headroom and self.running:
                 break

@@ -52,8 +52,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         resp = await handler(request)
     except ApiError as e:
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        resp = json_response(e.body(), e.status, headers)
+        headers = dict(e.headers or {})
+        if e.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        resp = json_response(e.body(), e.status, headers or None)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -62,7 +64,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         raise
     except Exception as e:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        resp = json_response(error_body(500, f"internal server error: {type(e).__name__}: {e}"), 500)
+        resp = json_response(error_body(500, f"internal server error: {type(e).__name__}: {e}; the server log has "
+                                             "the traceback", code="internal_error"), 500)
     ctx.metrics.http_responses.labels(str(resp.status)).inc()
     return resp
 

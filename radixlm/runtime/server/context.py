@@ -7,6 +7,7 @@ import contextlib
 import enum
 import gc
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -50,12 +51,14 @@ class ServerContext:
         self._engine_down: str | None = None  # why the engine cannot serve (it died; restarting or not)
         self._restarts: deque[float] = deque()  # monotonic times of restarts within the window
         self.num_restarts = 0
+        self.start_seconds = 30.0  # how long the engine's last start took (a guess until the first)
         self.session_lock = asyncio.Lock()  # /open_session checks the cap and opens as one step
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         """Start the engine process (model load + warm-up), then the tokenizer; then ready."""
         self._client = EngineClient(self.engine_config)
+        t0 = time.monotonic()
         # the tokenizer's code imports (~1 s) while the engine process loads the model: only the
         # engine knows the tokenizer's directory, but the import need not wait for it
         importing = asyncio.create_task(asyncio.to_thread(ServerTokenizer.import_code))
@@ -63,12 +66,13 @@ class ServerContext:
             self.info = await self._client.start()
         finally:  # (an import that failed fails the load below, after the engine's own errors)
             await asyncio.gather(importing, return_exceptions=True)
+        self.start_seconds = time.monotonic() - t0
         self._tokenizer = await asyncio.to_thread(ServerTokenizer.load, self.info)
         self._tokenizer.special_in_content = self.settings.special_tokens_in_content
         # (the first program's PrefixTokenizer would work out its parts on the event loop: ~0.1 s)
         await asyncio.to_thread(self._tokenizer.prefix_tokenizer)
         self._dispatcher = Dispatcher(self._client, self.metrics, self.settings.max_queued_requests,
-                                      self.settings.max_pending_outputs)
+                                      self.settings.max_pending_outputs, self.retry_headers)
         # What the server holds from now on (modules, the tokenizer, the app: ~231,000 objects) stays
         # out of the cyclic collector, as in the engine process: a full pass over that many took
         # 90-160 ms on a busy 2-core CPU, a stop of the event loop and every request in flight.
@@ -99,8 +103,10 @@ class ServerContext:
                 log.warning("restarting the engine process (restart %d within %.0f s, at most %d)",
                             len(self._restarts), self.settings.restart_window, self.settings.max_restarts)
                 client = EngineClient(self.engine_config)
+                t0 = time.monotonic()
                 try:
                     self.info = await client.start()
+                    self.start_seconds = time.monotonic() - t0
                     break
                 except Exception as e:  # noqa: BLE001 - a failed restart counts against the cap too
                     why = f"the restarted engine failed to start: {e}"
@@ -173,20 +179,32 @@ class ServerContext:
             return self._client.dead
         return None
 
+    def retry_headers(self) -> dict[str, str] | None:
+        """``Retry-After`` for a 503 while the engine starts or restarts: the seconds its last start
+        took. None when it will not come back (restarts off or used up) or the server drains."""
+        if self.phase is Phase.DRAINING or self.phase is Phase.STOPPED:
+            return None
+        if self.engine_down() is not None and self._restart_refusal() is not None:
+            return None
+        return {"Retry-After": str(max(1, math.ceil(self.start_seconds)))}
+
     def require_ready(self) -> tuple[ServerTokenizer, Dispatcher]:
         why = self.unavailable()
         if why is not None:
-            raise ApiError(503, why, code="engine_dead" if self.engine_down() else "unavailable")
+            down = self.engine_down() is not None
+            raise ApiError(503, why, code="engine_dead" if down else "unavailable",
+                           headers=self.retry_headers() if down or self.phase is Phase.STARTING else None)
         assert self._tokenizer is not None and self._dispatcher is not None
         return self._tokenizer, self._dispatcher
 
     def require_engine(self) -> EngineClient:
         """The engine for queries; unlike require_ready this also serves while draining."""
         if self._client is None or not self.info:
-            raise ApiError(503, "the server is starting: the model is still loading", code="unavailable")
+            raise ApiError(503, "the server is starting: the model is still loading", code="unavailable",
+                           headers=self.retry_headers())
         why = self.engine_down()
         if why is not None:
-            raise ApiError(503, why, code="engine_dead")
+            raise ApiError(503, why, code="engine_dead", headers=self.retry_headers())
         return self._client
 
     @property

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +51,10 @@ class SlowConsumer(Exception):
 
 
 class Dispatcher:
-    def __init__(self, client: EngineClient, metrics: Metrics, max_queued: int, max_pending: int) -> None:
+    def __init__(self, client: EngineClient, metrics: Metrics, max_queued: int, max_pending: int,
+                 retry_headers: Callable[[], dict[str, str] | None] = lambda: None) -> None:
         self.client = client  # replaced when the engine process is restarted
+        self.retry_headers = retry_headers  # the Retry-After of a 503 for a request the engine's death failed
         self.metrics = metrics
         self.max_queued = max_queued
         self.max_pending = max_pending  # outputs one engine request may have waiting for the handler
@@ -158,11 +160,12 @@ class Dispatcher:
         except RequestFailedError as e:
             outcome = "error"
             status = 404 if e.not_found else 400 if e.bad_input else 500
-            queue.put_nowait(Event(job.index, error=ApiError(status, str(e), param=None)))
+            code = "internal_error" if status == 500 else None
+            queue.put_nowait(Event(job.index, error=ApiError(status, str(e), param=None, code=code)))
         except EngineDeadError as e:
             outcome = "error"
             queue.put_nowait(Event(job.index, error=ApiError(503, f"the engine is unavailable: {e}",
-                                                             code="engine_dead")))
+                                                             code="engine_dead", headers=self.retry_headers())))
         finally:
             if outcome:
                 self.metrics.observe_unfinished(outcome)

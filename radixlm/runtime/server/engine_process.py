@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import signal
 import time
@@ -17,9 +18,10 @@ from typing import Any
 import zmq
 
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.distributed import RankFailure
 from radixlm.runtime.engine_core import EngineCore
+from radixlm.runtime.faults import is_fatal
 from radixlm.runtime.intake import Submission
+from radixlm.runtime.radix_cache import IntegrityError
 from radixlm.runtime.server.held_outputs import HeldOutputs
 from radixlm.runtime.server.messages import (
     AbortRequest,
@@ -33,6 +35,8 @@ from radixlm.runtime.server.messages import (
     StepOutputs,
 )
 from radixlm.runtime.sessions import SessionError, SessionNotFoundError
+
+log = logging.getLogger("radixlm.engine")
 
 PARENT_CHECK_MS = 1000  # while idle, how often the engine checks that the server process still exists
 CRASH_LINGER_MS = 2000  # how long a crashing engine waits for its last message to reach the server
@@ -159,24 +163,37 @@ def _serve(core: EngineCore, inbox: zmq.Socket[Any], outbox: Outbox) -> None:
         if core.has_work:
             try:
                 outputs = core.step()
-            except RankFailure:
-                raise  # the ranks are out of step: the engine process exits and the server restarts it
-            except Exception as e:  # noqa: BLE001 - a broken step fails its requests, not the engine
-                message = f"engine step failed: {type(e).__name__}: {e}"
-                for rid in list(core.requests):
-                    core.abort(rid)
-                    held.drop(rid)
-                    outbox.send(RequestFailed(rid, message, bad_input=False))
+            except Exception as e:  # noqa: BLE001 - fatal errors end the engine; others its requests
+                _fail_step(core, e, outbox, held)
                 continue
             for out in outputs:
-                if out.error is not None:  # failed before it ran: its constraint did not compile
+                if out.error is not None:  # its constraint did not compile, or a fault ended it
                     held.drop(out.rid)
-                    outbox.send(RequestFailed(out.rid, out.error, bad_input=True))
+                    outbox.send(RequestFailed(out.rid, out.error, bad_input=not out.internal))
             outputs = held.pass_on(o for o in outputs if o.error is None)
             if outputs:
                 t0 = time.perf_counter()
                 outbox.send(StepOutputs(outputs))
                 core.step_seconds["send"] += time.perf_counter() - t0
+
+
+def _fail_step(core: EngineCore, e: Exception, outbox: Outbox, held: HeldOutputs) -> None:
+    """A step raised outside every request's fault boundary (picking the step's work, say): its
+    requests fail with 500 and the engine goes on if its KV bookkeeping is intact. Fatal errors
+    (a dead rank, a device error, a failed integrity check) end the engine process, which the
+    server restarts."""
+    if is_fatal(e):
+        raise e
+    log.error("engine step failed: %s: %s; failing the %d requests in flight", type(e).__name__, e,
+              len(core.requests), exc_info=e)
+    message = f"internal error: the engine step failed ({type(e).__name__}: {e}); the server log has the traceback"
+    for rid in list(core.requests):
+        core.abort(rid)
+        held.drop(rid)
+        outbox.send(RequestFailed(rid, message, bad_input=False))
+    report = core.integrity_report()
+    if not report["ok"]:
+        raise IntegrityError("after a failed step: " + "; ".join(report["errors"])) from e
 
 
 def _handle(core: EngineCore, msg: Any, outbox: Outbox, held: HeldOutputs) -> None:
@@ -188,6 +205,8 @@ def _handle(core: EngineCore, msg: Any, outbox: Outbox, held: HeldOutputs) -> No
         except ValueError as e:
             outbox.send(RequestFailed(msg.rid, str(e), bad_input=True,
                                             not_found=isinstance(e, SessionNotFoundError)))
+        except Exception as e:  # noqa: BLE001 - a fault admitting it ends this request only
+            outbox.send(RequestFailed(msg.rid, core.faults.contain(msg.rid, "admission", e), bad_input=False))
     elif isinstance(msg, EndProgram):
         core.end_program(msg.program_id)
     elif isinstance(msg, AbortRequest):

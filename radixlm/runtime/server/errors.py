@@ -11,6 +11,7 @@ _TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
@@ -19,12 +20,14 @@ _TYPES = {
 class ApiError(Exception):
     """An error answered as `{"error": {message, type, param, code}}` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # sent with the error (Retry-After with a 503, say)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
+from radixlm.runtime.sampling_params import show_float
 from radixlm.runtime.server.errors import ApiError
 
 _UNSET: Any = object()
@@ -110,11 +111,12 @@ def _check_range(key: str, v: float, lo: float | None, hi: float | None) -> None
 
 
 def show_number(v: float) -> str:
-    """A number for an error message: any int (however large, never an OverflowError), floats as %g."""
+    """A number for an error message, as sent: any int (however large, never an OverflowError), a
+    float as its repr (2.0000001, never rounded to 2), without '.0' when it is whole."""
     if isinstance(v, int):
         text = str(v)
         return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
-    return f"{v:g}"
+    return show_float(v)
 
 
 def _finite(v: float) -> bool:

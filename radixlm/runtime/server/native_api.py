@@ -19,8 +19,22 @@ from radixlm.runtime.scheduler.request import ProgramTag
 from radixlm.runtime.server.context import CONTEXT, ServerContext
 from radixlm.runtime.server.dispatcher import Event, Job, check_job_count, expand_jobs, next_event
 from radixlm.runtime.server.errors import ApiError
-from radixlm.runtime.server.fields import check_keys, get_bool, get_float, get_int, get_str, is_token_list
-from radixlm.runtime.server.payload import check_response_cost, finite_logprob, json_response, read_json_object
+from radixlm.runtime.server.fields import (
+    check_keys,
+    get_bool,
+    get_float,
+    get_int,
+    get_str,
+    is_token_list,
+    show_number,
+)
+from radixlm.runtime.server.payload import (
+    check_response_cost,
+    check_stop_bytes,
+    finite_logprob,
+    json_response,
+    read_json_object,
+)
 from radixlm.runtime.server.prefix_tokenizer import PrefixTokenizer
 from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
@@ -76,10 +90,11 @@ def routes() -> list[web.RouteDef]:
         web.get("/get_server_info", get_server_info),
         web.get("/server_info", get_server_info),  # SGLang's current name; its frontend calls this one
         web.get("/health", health),
-        web.get("/health_generate", health_generate),
+        web.get("/health_generate", health_generate, allow_head=False),  # HEAD must not act: 405
         web.post("/flush_cache", flush_cache),
-        web.get("/flush_cache", flush_cache),
+        web.get("/flush_cache", flush_cache, allow_head=False),
         web.post("/abort_request", abort_request),
+        web.post("/concate_and_append_request", concate_and_append_request),
         web.post("/open_session", open_session),
         web.post("/close_session", close_session),
         web.post("/tokenize", tokenize),
@@ -96,6 +111,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     tok, dispatcher = ctx.require_ready()
     spec = await parse_generate_soon(body, tok, ctx.settings.max_top_logprobs, ctx.settings.max_queued_requests)
     check_response_cost(spec.jobs, ctx.settings.max_response_bytes)
+    check_stop_bytes(spec.jobs, ctx.settings.max_stop_bytes, "sampling_params")
     with ctx.busy():
         try:
             async with dispatcher.run(spec.jobs, arrival, stream=spec.stream) as events:
@@ -154,6 +170,8 @@ def parse_generate(body: dict[str, Any], tok: ServerTokenizer, max_top: int, max
             sp = SamplingParams.from_dict(params[i])
         except ValueError as e:
             raise ApiError(400, f"invalid sampling_params: {e}", param="sampling_params") from None
+        tok.check_token_params(sp, f"sampling_params[{i}]." if isinstance(body.get("sampling_params"), list)
+                               else "sampling_params.")
         specs.append(PromptRequest(
             rid=rids[i],
             prompt_ids=ids,
@@ -281,12 +299,14 @@ async def _collect(spec: GenerateSpec, events: Any, tok: ServerTokenizer) -> web
 
 
 async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: ServerTokenizer) -> web.StreamResponse:
-    """SGLang's stream: each chunk holds the text and output ids so far (cumulative)."""
+    """SGLang's stream: each chunk holds the text and output ids so far (cumulative) and, with
+    return_logprob, the logprobs of the tokens new since the previous chunk (docs/server.md, "Streaming")."""
     n = len(spec.jobs)
     texts, ids = [""] * n, [list[int]() for _ in range(n)]
     lps: list[list[Any]] = [[] for _ in range(n)]
     tops: list[list[Any]] = [[] for _ in range(n)]
     sent = [0] * n  # output tokens each job had at its last chunk (stream_interval)
+    lp_sent = [0] * n  # output logprobs each job's client holds (a re-tokenized tail is sent again)
     it = events.__aiter__()
     first: Event = await it.__anext__()
     if first.error is not None:
@@ -303,16 +323,27 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
             out.apply_ids(ids[i])
             if out.replace_from is not None:  # jump-forward re-tokenized a tail: its logprobs go too
                 del lps[i][out.replace_from :], tops[i][out.replace_from :]
-            if out.finished:
-                meta = native_meta(out.meta, tok, spec.text_in_logprobs)
-            else:
+                lp_sent[i] = min(lp_sent[i], out.replace_from)
+            if out.finished and "output_token_logprobs" in out.meta:  # the totals hold every logprob
+                lps[i] = list(out.meta["output_token_logprobs"])
+                tops[i] = list(out.meta.get("output_top_logprobs", ()))
+            elif not out.finished:
                 lps[i].extend(out.meta.get("output_token_logprobs", ()))
                 tops[i].extend(out.meta.get("output_top_logprobs", ()))
-                meta = _partial_meta(spec.jobs[i].request, len(ids[i]), lps[i], tops[i], tok,
-                                     spec.text_in_logprobs)
             # as SGLang: the first tokens at once (time to first token), then every stream_interval tokens
             due = sent[i] == 0 or len(ids[i]) - sent[i] >= spec.stream_intervals[i]
             if out.finished or (due and (out.text_delta or out.token_ids_delta)):
+                req = spec.jobs[i].request
+                if out.finished:
+                    totals = {k: v for k, v in out.meta.items() if k not in STREAMED_LOGPROBS}
+                    meta = native_meta(totals, tok, spec.text_in_logprobs)
+                else:
+                    meta = {"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.prompt_ids),
+                            "completion_tokens": len(ids[i])}
+                if req.return_logprob:
+                    meta.update(_new_logprobs(lps[i], tops[i] if req.top_logprobs_num else None, lp_sent[i],
+                                              tok, spec.text_in_logprobs))
+                    lp_sent[i] = len(lps[i])
                 sent[i] = len(ids[i])
                 chunk: dict[str, Any] = {"text": texts[i], "output_ids": ids[i], "meta_info": meta}
                 if not spec.single:
@@ -322,14 +353,18 @@ async def _stream(request: web.Request, spec: GenerateSpec, events: Any, tok: Se
     return resp
 
 
-def _partial_meta(req: Submission, completion: int, lps: list[Any], tops: list[Any], tok: ServerTokenizer,
+# the meta_info lists a stream chunk holds from the client's position on, not from the start
+STREAMED_LOGPROBS = ("output_token_logprobs", "output_top_logprobs")
+
+
+def _new_logprobs(lps: list[Any], tops: list[Any] | None, start: int, tok: ServerTokenizer,
                   text: bool) -> dict[str, Any]:
-    meta: dict[str, Any] = {"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.prompt_ids),
-                            "completion_tokens": completion}
-    if req.return_logprob:
-        meta["output_token_logprobs"] = native_logprobs(lps, tok, text)
-        if req.top_logprobs_num:
-            meta["output_top_logprobs"] = [native_logprobs(step, tok, text) for step in tops]
+    """A stream chunk's output logprobs: the entries from ``start`` on (the tokens new since the
+    previous chunk), and how many the output has in all (SGLang's output_token_logprobs_length)."""
+    meta: dict[str, Any] = {"output_token_logprobs": native_logprobs(lps[start:], tok, text),
+                            "output_token_logprobs_length": len(lps)}
+    if tops is not None:
+        meta["output_top_logprobs"] = [native_logprobs(step, tok, text) for step in tops[start:]]
     return meta
 
 
@@ -343,6 +378,8 @@ def native_meta(meta: dict[str, Any], tok: ServerTokenizer, text: bool) -> dict[
     for key in ("input_token_logprobs", "output_token_logprobs"):
         if key in out:
             out[key] = native_logprobs(out[key], tok, text)
+    if "output_token_logprobs" in out:
+        out["output_token_logprobs_length"] = len(out["output_token_logprobs"])
     if "output_top_logprobs" in out:
         out["output_top_logprobs"] = [native_logprobs(step, tok, text) for step in out["output_top_logprobs"]]
     return out
@@ -356,9 +393,8 @@ def native_logprobs(entries: Any, tok: ServerTokenizer, text: bool) -> list[list
 async def health(request: web.Request) -> web.Response:
     """200 once the model is loaded and warmed up; 503 while starting, draining, or if the engine died."""
     ctx = request.app[CONTEXT]
-    why = ctx.unavailable()
-    if why is not None:
-        raise ApiError(503, why, code="engine_dead" if ctx.engine_down() else "unavailable")
+    if ctx.unavailable() is not None:
+        ctx.require_ready()  # raises the 503, with Retry-After while the engine starts or restarts
     return json_response({"status": "ok"})
 
 
@@ -469,6 +505,31 @@ async def abort_request(request: web.Request) -> web.Response:
     return json_response({"aborted": count})
 
 
+async def concate_and_append_request(request: web.Request) -> web.Response:
+    """SGLang's parallel-encoding join (``fork(...).join("concate_and_append")`` in its frontend):
+    {src_rids: [str], dst_rid: str} -> {success: true}. The frontend has already appended the forks'
+    texts to the destination state, and its next /generate sends that whole text: the radix cache
+    serves the prefix it shares with the first fork (each fork committed its text just before), the
+    rest is prefilled, so the output is that of the same text sent unforked. The rids are the
+    frontend's own state ids, never sent to /generate, so there is nothing to look up here."""
+    ctx = request.app[CONTEXT]
+    body = await read_json_object(request, ctx.settings.max_request_bytes)
+    check_keys(body, ("src_rids", "dst_rid"))
+    src, dst = body.get("src_rids"), body.get("dst_rid")
+    if not (isinstance(src, list) and src and all(isinstance(r, str) and r for r in src)):
+        what = "is required" if src is None else "must be a non-empty list of non-empty strings"
+        raise ApiError(400, f"src_rids {what}: the ids of the forked states to join", param="src_rids")
+    if not (isinstance(dst, str) and dst):
+        what = "is required" if dst is None else "must be a non-empty string"
+        raise ApiError(400, f"dst_rid {what}: the id of the state the forks are joined into", param="dst_rid")
+    if dst in src:
+        raise ApiError(400, f"dst_rid {dst!r} is also in src_rids; a state cannot be joined into itself",
+                       param="dst_rid")
+    ctx.require_engine()
+    return json_response({"success": True, "message": f"joined {len(src)} forks into {dst!r}: its next /generate "
+                                                      "(their texts appended) reuses the cached prefix"})
+
+
 # -- tokenizer routes (SGLang's /tokenize and /detokenize) ------------------------------------
 async def tokenize(request: web.Request) -> web.Response:
     """{prompt: str | [str], add_special_tokens?: bool = true, model?} -> {tokens, count, max_model_len}
@@ -530,7 +591,7 @@ async def open_session(request: web.Request) -> web.Response:
             "ttl": get_float(body, "ttl")}
     if args["ttl"] is not None and not 0 < args["ttl"] <= ctx.settings.max_session_ttl:
         raise ApiError(400, f"ttl must be > 0 and <= {ctx.settings.max_session_ttl:g} seconds (--max-session-ttl), "
-                            f"got {args['ttl']:g}", param="ttl")
+                            f"got {show_number(args['ttl'])}", param="ttl")
     async with ctx.session_lock:  # the count and the open are one step
         await check_session_room(ctx)
         reply = await _session_query(ctx, "open_session", args, "session_id")

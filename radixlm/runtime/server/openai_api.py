@@ -45,7 +45,13 @@ from radixlm.runtime.server.openai_tools import (
     tool_format,
     usage,
 )
-from radixlm.runtime.server.payload import check_response_cost, finite_logprob, json_response, read_json_object
+from radixlm.runtime.server.payload import (
+    check_response_cost,
+    check_stop_bytes,
+    finite_logprob,
+    json_response,
+    read_json_object,
+)
 from radixlm.runtime.server.sse import event_stream, send_event
 from radixlm.runtime.server.tokenizer import ServerTokenizer
 from radixlm.runtime.sessions import SessionParams
@@ -93,6 +99,7 @@ def _endpoint(planner: Callable[[dict[str, Any], ServerTokenizer, int, int], Pla
         plan = await asyncio.to_thread(planner, body, tok, ctx.settings.max_top_logprobs,
                                        ctx.settings.max_queued_requests)
         check_response_cost(plan.jobs, ctx.settings.max_response_bytes)
+        check_stop_bytes(plan.jobs, ctx.settings.max_stop_bytes, "stop")
         return await _run(request, ctx, plan, arrival, tok)
 
     return handle
@@ -192,10 +199,7 @@ def _params(d: dict[str, Any], tok: ServerTokenizer) -> SamplingParams:
             message = message.replace(ours, theirs)
         param = next((k for k in SAMPLING_FIELDS if message.startswith(f"{k} ")), None)
         raise ApiError(400, message, param=param) from None
-    bad = next((t for t, _ in params.logit_bias if t >= tok.vocab_size), None)
-    if bad is not None:
-        raise ApiError(400, f"logit_bias holds token id {bad}, outside the vocabulary [0, {tok.vocab_size})",
-                       param="logit_bias")
+    tok.check_token_params(params)
     return params
 
 
@@ -548,11 +552,13 @@ def _chat_session(body: Mapping[str, Any], n: int) -> SessionParams | None:
 
 def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: role + string content; an assistant's
-    ``tool_calls`` (parsed ToolCalls) and a tool message's ``tool_call_id`` (and ``name``) kept."""
+    ``tool_calls`` (parsed ToolCalls) and a tool message's ``tool_call_id`` (and ``name``) kept.
+    A tool message answers a call an earlier assistant message made (its ``tool_call_id``)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     out = []
+    called: list[str] = []  # the ids of the calls earlier assistant messages made
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -570,11 +576,17 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
                 msg["tool_calls"] = parse_history_calls(m["tool_calls"], f"{where}.tool_calls")
             except ToolInputError as e:
                 raise ApiError(400, str(e), param=e.param) from None
+            called.extend(c.id for c in msg["tool_calls"])
         if role == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise ApiError(400, f"{where}.tool_call_id is required for a tool message: the id of the call it "
                                     "answers", param=f"{where}.tool_call_id")
+            if call_id not in called:  # rendered as given, the model would read a result of no call
+                known = ", ".join(repr(c[:80]) for c in called[-8:]) or "none: no earlier message has tool_calls"
+                raise ApiError(400, f"{where}.tool_call_id {call_id[:80]!r} answers no tool call of an earlier "
+                                    f"assistant message; give the id of the call it answers (ids so far: {known})",
+                               param=f"{where}.tool_call_id")
             msg["tool_call_id"] = call_id
             if isinstance(m.get("name"), str):
                 msg["name"] = m["name"]

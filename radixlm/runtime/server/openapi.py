@@ -156,7 +156,8 @@ def _generate_request(max_top: int, max_jobs: int) -> Schema:
         "top_logprobs_num": _opt(_one_or_list(_opt({"type": "integer", "minimum": 0, "maximum": max_top}),
                                               "top alternatives per output token (--max-top-logprobs)")),
         "return_text_in_logprobs": _opt(BOOL),
-        "stream": _opt({**BOOL, "description": "server-sent events, cumulative text per chunk"}),
+        "stream": _opt({**BOOL, "description": "server-sent events: each chunk holds the text and output_ids so "
+                                               "far, and the output logprobs of the tokens new since the last one"}),
         "session_params": {"anyOf": [_ref("SessionParams"), {"type": "null"}, {"type": "object", "maxProperties": 0}]},
         "plain_text_spans": _opt({
             "type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0},
@@ -269,8 +270,12 @@ def _native_meta() -> Schema:
     return _obj({
         "id": STR, "finish_reason": reason, "prompt_tokens": INT, "completion_tokens": INT, "cached_tokens": INT,
         "e2e_latency": NUM, "ttft": {"type": ["number", "null"]}, "retractions": INT,
-        "input_token_logprobs": triples, "output_token_logprobs": triples,
+        "input_token_logprobs": triples,
+        "output_token_logprobs": {**triples, "description": "in a stream chunk: the entries from position "
+                                  "output_token_logprobs_length - len(output_token_logprobs) on"},
         "output_top_logprobs": {"type": "array", "items": triples},
+        "output_token_logprobs_length": {**INT, "minimum": 0,
+                                         "description": "output logprob entries in all (= completion_tokens)"},
     }, required=("id", "finish_reason", "prompt_tokens", "completion_tokens"))
 
 
@@ -379,7 +384,10 @@ _ERRORS = {
     "401": ("Unauthorized", "missing or wrong API key (only when the server runs with --api-key)"),
     "404": ("NotFound", "no such thing (route, model, session, request)"),
     "408": ("ClientTooSlow", "the client left too many stream outputs unread; the request was aborted"),
+    "405": ("MethodNotAllowed", "the method is not served on this path (the Allow header lists those that "
+                                "are); a GET route that acts (generates, flushes) refuses HEAD"),
     "413": ("TooLarge", "the body is larger than --max-request-bytes"),
+    "415": ("UnsupportedMediaType", "the body is not sent as 'Content-Type: application/json' in UTF-8"),
     "429": ("Overloaded", "more than --max-queued-requests engine requests in flight; retry later"),
     "503": ("Unavailable", "starting, draining, or the engine is gone"),
 }
@@ -394,13 +402,16 @@ def _json(schema: Schema) -> dict[str, Any]:
 
 def _op(summary: str, ok: Schema | None, errors: tuple[str, ...], body: Schema | None = None,
         ok_content: dict[str, Any] | None = None, tag: str = "native", open_route: bool = False,
-        body_required: bool = True) -> dict[str, Any]:
+        body_required: bool = True, acts: bool = False) -> dict[str, Any]:
+    """One operation; ``acts``: a GET that changes or runs something, so HEAD on its path is a 405
+    (every other GET path also answers HEAD, as aiohttp does by itself)."""
     op: dict[str, Any] = {"summary": summary, "tags": [tag]}
     if body is not None:
         op["requestBody"] = {"required": body_required, "content": _json(body)}
     content = ok_content if ok_content is not None else _json(ok if ok is not None else ANY_JSON)
     op["responses"] = {"200": {"description": "success", "content": content}}
-    codes = set(errors) | ({"413"} if body is not None else set()) | (set() if open_route else {"401"})
+    codes = set(errors) | ({"413", "415"} if body is not None else set()) | (set() if open_route else {"401"})
+    codes |= {"405"} if acts else set()
     for code in sorted(codes):
         op["responses"][code] = {"$ref": f"#/components/responses/{_ERRORS[code][0]}"}
     if open_route:
@@ -412,8 +423,10 @@ def _paths() -> dict[str, Any]:
     gen_errors = ("400", "404", "408", "429", "503")
     info_errors = ("503",)
     ok = _obj({"status": {"const": "ok"}}, required=("status",))
-    flush = _op("Drop every cached prefix; 400 while requests are in flight", _obj(
-        {"flushed": {"const": True}, "message": STR}, required=("flushed",)), ("400", "503"))
+    flush_ok = _obj({"flushed": {"const": True}, "message": STR}, required=("flushed",))
+    flush = _op("Drop every cached prefix; 400 while requests are in flight", flush_ok, ("400", "503"))
+    flush_get = _op("Drop every cached prefix; 400 while requests are in flight (HEAD: 405)", flush_ok,
+                    ("400", "503"), acts=True)
     sse_or = {**_json(_ref("GenerateResponse")), **SSE}
     tokenize_ok = _obj({"tokens": {"anyOf": [{"type": "array", "items": INT},
                                              {"type": "array", "items": {"type": "array", "items": INT}}]},
@@ -424,20 +437,26 @@ def _paths() -> dict[str, Any]:
             "Generate (SGLang's native protocol)", None, gen_errors, _ref("GenerateRequest"), ok_content=sse_or)},
         "/health": {"get": _op("200 when ready to generate; 503 while starting, draining, or without an engine",
                                ok, info_errors, open_route=True)},
-        "/health_generate": {"get": _op("200 only if a one-token generation completes within 30 s", ok,
-                                        info_errors)},
+        "/health_generate": {"get": _op("200 only if a one-token generation completes within 30 s (HEAD: 405)",
+                                        ok, info_errors, acts=True)},
         "/get_model_info": {"get": _op("The model and its tokenizer", _ref("ModelInfo"), info_errors)},
         "/model_info": {"get": _op("The same as /get_model_info (SGLang's current name)", _ref("ModelInfo"),
                                    info_errors)},
         "/get_server_info": {"get": _op("Settings, engine config, engine stats", _ref("ServerInfo"), info_errors)},
         "/server_info": {"get": _op("The same as /get_server_info (SGLang's current name)", _ref("ServerInfo"),
                                     info_errors)},
-        "/flush_cache": {"post": flush, "get": flush},
+        "/flush_cache": {"post": flush, "get": flush_get},
         "/abort_request": {"post": _op(
             "Abort a request (all its n copies) by rid, or every request", _obj(
                 {"aborted": {"type": "integer", "minimum": 0}}, required=("aborted",)), ("400", "503"),
             _obj({"rid": _opt(STR), "abort_all": _opt(BOOL)}, closed=True,
                  description="give rid, or abort_all: true"))},
+        "/concate_and_append_request": {"post": _op(
+            "SGLang's parallel-encoding join: acknowledged; the next /generate sends the joined text",
+            _obj({"success": {"const": True}, "message": STR}, required=("success",)), ("400", "503"),
+            _obj({"src_rids": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                  "dst_rid": {"type": "string", "minLength": 1, "description": "not one of src_rids"}},
+                 required=("src_rids", "dst_rid"), closed=True))},
         "/open_session": {"post": _op(
             "Open a session; answers its id as a JSON string", {"type": "string", "minLength": 1},
             ("400", "503"), _obj({
@@ -492,9 +511,12 @@ def openapi_spec(settings: ServerSettings) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "radixlm", "version": "1", "description": (
             "SGLang's native routes and the OpenAI-compatible /v1 routes of `radixlm serve` (docs/server.md). "
-            f"Request bodies are JSON objects of at most {settings.max_request_bytes} bytes; unknown fields are "
+            f"Request bodies are JSON objects of at most {settings.max_request_bytes} bytes, sent with "
+            "'Content-Type: application/json' in UTF-8 (else 415); unknown fields are "
             "a 400 naming them; a field given as null takes its default. One request asks for at most "
-            f"{settings.max_queued_requests} prompts x n (--max-queued-requests), else 400.")},
+            f"{settings.max_queued_requests} prompts x n (--max-queued-requests), else 400; its stop strings "
+            f"and stop_regex patterns hold at most {settings.max_stop_bytes} UTF-8 bytes (--max-stop-bytes), "
+            "else 400.")},
         "servers": [{"url": "/"}],
         "security": auth,
         "paths": {**_paths(), **_program_paths(settings)},

@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import re
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from radixlm.runtime.server.dispatcher import Job
 
 _PARSE_INLINE_BYTES = 256 * 1024
+JSON_TYPE = "application/json"
 _INT_LIMIT = 2**63
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]|\\u[dD][c-fC-F]")
@@ -40,8 +42,10 @@ def finite_logprob(x: float | None) -> float | None:
 
 
 async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 past max_bytes, 408 when it does not arrive within the
-    server's body_timeout, 400 for anything that is not an object of valid values (see parse_body)."""
+    """The body as a JSON object; 415 unless it is sent as JSON in UTF-8 (check_json_type), 413 past
+    max_bytes, 408 when it does not arrive within the server's body_timeout, 400 for anything that is
+    not an object of valid values (see parse_body)."""
+    check_json_type(request)
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large(max_bytes)
     timeout = request.app[CONTEXT].settings.body_timeout
@@ -58,21 +62,51 @@ async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, An
     return parse_body(raw)
 
 
+def check_json_type(request: web.Request) -> None:
+    """415 unless the request says its body is JSON (``Content-Type: application/json``, with no
+    charset or ``charset=utf-8``). A web page may send a cross-site POST without asking first
+    (no CORS preflight) only as text/plain, form data or with no Content-Type at all: a JSON route
+    that read those would let any page the user opens spend, flush or abort on a server without
+    an API key. So they are refused; docs/server.md, "Request bodies and methods"."""
+    sent = request.headers.get("Content-Type")
+    if sent is None:
+        raise ApiError(415, f"the request has no Content-Type header; send the JSON body with "
+                            f"'Content-Type: {JSON_TYPE}'", code="unsupported_media_type")
+    if request.content_type != JSON_TYPE:
+        shown = sent if len(sent) <= 80 else sent[:77] + "..."
+        raise ApiError(415, f"the request body is sent as {shown!r}; this route reads JSON: send it with "
+                            f"'Content-Type: {JSON_TYPE}'", code="unsupported_media_type")
+    charset = request.charset
+    if charset is not None and charset.lower() not in ("utf-8", "utf8"):
+        raise ApiError(415, f"the request body is sent in charset {charset[:40]!r}; JSON bodies are read as UTF-8: "
+                            f"send UTF-8 text with 'Content-Type: {JSON_TYPE}' (or '; charset=utf-8')",
+                       code="unsupported_media_type")
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """A request body as a JSON object whose every value the runtime can hold: strings are valid
-    Unicode (no lone surrogates), integers fit 64 bits, numbers are finite. 400s name the field."""
+    Unicode (no lone surrogates), integers fit 64 bits, numbers are finite. The bytes are UTF-8
+    (a leading byte order mark is ignored, as RFC 8259 allows). 400s name the field."""
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except UnicodeDecodeError:
-        raise ApiError(400, "the request body is not UTF-8 text") from None
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start} is not); send JSON in "
+                            "UTF-8") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply") from None
-    except ValueError as e:  # an integer literal past Python's digit limit, NaN or Infinity
-        raise ApiError(400, f"the request body holds a number JSON cannot carry here: {e}") from None
+    except RecursionError:  # the router's json_object says the same (radixlm.router.keys)
+        raise ApiError(400, "the request body is nested too deeply; send fewer levels of nested arrays and "
+                            "objects") from None
+    except _NotANumber as e:
+        raise ApiError(400, f"the request body holds {e.args[0]}, which is not a JSON number; send a finite "
+                            "number") from None
+    except ValueError:  # json's only other refusal: an integer literal past Python's digit limit
+        raise ApiError(400, f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                            "digits; integers must fit in 64 bits") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_json_kind(body)}")
     check_values(body, maybe_surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
@@ -111,8 +145,12 @@ def _bad_value(path: str, what: str) -> ApiError:
     return ApiError(400, f"{shown} {what}", param=shown if path else None)
 
 
+class _NotANumber(ValueError):
+    """NaN, Infinity or -Infinity in a body: Python's json reads them, JSON has no such numbers."""
+
+
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+    raise _NotANumber(name)
 
 
 def too_large(max_bytes: int) -> ApiError:
@@ -152,6 +190,23 @@ def response_cost(jobs: Sequence[Job]) -> int:
             prompt = len(req.prompt_ids) - req.logprob_start_len
         total += req.params.max_new_tokens * per_token + prompt * (BYTES_PER_TOKEN + BYTES_PER_LOGPROB)
     return total
+
+
+def check_stop_bytes(jobs: Sequence[Job], limit: int, param: str) -> None:
+    """400 before anything runs when one request's stop strings and stop_regex patterns hold more
+    than ``limit`` UTF-8 bytes in all (--max-stop-bytes): the engine matches them against every
+    step's text, so megabytes of them stalled every other request's steps for seconds."""
+    seen: set[int] = set()
+    for job in jobs:
+        params = job.request.params
+        if id(params) in seen:  # the prompts of a batch may share theirs: measured once
+            continue
+        seen.add(id(params))
+        size = sum(len(s.encode("utf-8", "surrogatepass")) for s in (*params.stop, *params.stop_regex))
+        if size > limit:
+            what = "stop strings and stop_regex patterns" if params.stop_regex else "stop strings"
+            raise ApiError(400, f"{param}: the {what} hold {size:,} UTF-8 bytes in all, more than the server's "
+                                f"limit of {limit:,} (--max-stop-bytes); send fewer or shorter ones", param=param)
 
 
 def check_response_cost(jobs: Sequence[Job], limit: int) -> None:

@@ -47,7 +47,7 @@ from radixlm.runtime.server.context import CONTEXT, ServerContext
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.fields import check_keys, get_bool, get_str
 from radixlm.runtime.server.native_api import GenerateSpec, native_meta, parse_generate_soon
-from radixlm.runtime.server.payload import json_response, read_json_object
+from radixlm.runtime.server.payload import check_stop_bytes, json_response, read_json_object
 from radixlm.runtime.server.prefix_tokenizer import PrefixTokenizer
 from radixlm.runtime.server.sse import event_stream, send_event
 
@@ -258,8 +258,10 @@ class ServerConnection(Connection):
         s = self.ctx.settings
         self.ctx.metrics.program_round_trips_saved.inc()  # a client-driven program would have sent this over HTTP
         body = {k: v for k, v in body.items() if k != "program"}
-        return await parse_generate_soon(body, tok, s.max_top_logprobs, s.max_queued_requests, self._tag(),
+        spec = await parse_generate_soon(body, tok, s.max_top_logprobs, s.max_queued_requests, self._tag(),
                                          self.prefix)
+        check_stop_bytes(spec.jobs, s.max_stop_bytes, "sampling_params")
+        return spec
 
     @contextlib.asynccontextmanager
     async def _events(self, spec: GenerateSpec, stream: bool) -> AsyncIterator[Any]:

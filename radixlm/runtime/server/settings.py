@@ -18,7 +18,7 @@ class ServerSettings:
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish after SIGTERM/SIGINT
     served_model_name: str | None = None  # the model id of the OpenAI API (default: the model's name)
     max_top_logprobs: int = 20  # cap on top_logprobs_num / top_logprobs / logprobs
-    restart_on_failure: bool = False  # start a fresh engine process after it dies (docs/reliability.md)
+    restart_on_failure: bool = True  # start a fresh engine process after it dies (docs/reliability.md)
     max_restarts: int = 3  # restarts allowed within restart_window; past it the server stays 503
     restart_window: float = 600.0  # seconds over which max_restarts is counted
     stream_write_timeout: float = 30.0  # seconds a stream may wait for its client to read; then aborted
@@ -27,6 +27,7 @@ class ServerSettings:
     header_timeout: float = 10.0  # seconds a connection may take to send a request's headers; then closed
     body_timeout: float = 60.0  # seconds a handler waits for a request's body; then 408
     max_response_bytes: int = 256 * 1024 * 1024  # what one response may cost at most (estimated up front): 400
+    max_stop_bytes: int = 64 * 1024  # UTF-8 bytes of one request's stop strings and stop_regex patterns in all: 400
     max_sessions: int = 1024  # open sessions at most; /open_session past it: 429
     max_session_ttl: float = 86400.0  # the largest ttl /open_session accepts, in seconds
     special_tokens_in_content: bool = False  # true: special-token text in chat content becomes control tokens
@@ -54,6 +55,8 @@ class ServerSettings:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_response_bytes < 1024:
             raise ValueError(f"max_response_bytes must be >= 1024, got {self.max_response_bytes}")
+        if self.max_stop_bytes < 1:
+            raise ValueError(f"max_stop_bytes must be >= 1, got {self.max_stop_bytes}")
         if self.max_sessions < 0:
             raise ValueError(f"max_sessions must be >= 0, got {self.max_sessions}")
         if self.api_key is not None and not self.api_key:
@@ -68,7 +71,9 @@ API_KEY_ENV = "RADIXLM_API_KEY"
 
 def resolve_api_key(flag: str | None, path: str | None, environ: Mapping[str, str]) -> str | None:
     """The API key from --api-key, else from --api-key-file (its first line; a flag's value is
-    visible in `ps`, a file's is not), else from $RADIXLM_API_KEY; None when none is given."""
+    visible in `ps`, a file's is not), else from $RADIXLM_API_KEY; None when none is given. An
+    empty key is refused wherever it comes from: a server started without the auth it was asked
+    for would say nothing."""
     if flag is not None and path is not None:
         raise ValueError("give --api-key or --api-key-file, not both")
     if path is not None:
@@ -82,4 +87,7 @@ def resolve_api_key(flag: str | None, path: str | None, environ: Mapping[str, st
         return key
     if flag is not None:
         return flag
-    return environ.get(API_KEY_ENV) or None
+    env = environ.get(API_KEY_ENV)
+    if env is not None and not env.strip():
+        raise ValueError(f"${API_KEY_ENV} is set but empty: set it to the key, or unset it to serve without one")
+    return env

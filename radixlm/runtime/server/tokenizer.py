@@ -11,6 +11,7 @@ from radixlm.runtime.chat_template import check_plain_spans, encode_with_plain_s
 from radixlm.runtime.constrained.pre_tokens import split_rule
 from radixlm.runtime.constrained.service import text_encoder
 from radixlm.runtime.constrained.tokenizer_info import byte_level_decoder
+from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.prefix_tokenizer import PrefixTokenizer
 from radixlm.runtime.tokenizer_loader import import_tokenizer_code, load_tokenizer
@@ -196,6 +197,15 @@ class ServerTokenizer:
         if bad is not None:
             raise ApiError(400, f"{param} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})",
                            param=param)
+
+    def check_token_params(self, params: SamplingParams, prefix: str = "") -> None:
+        """The token ids of stop_token_ids and logit_bias inside the vocabulary: else a 400 whose
+        ``param`` is ``prefix`` + the field (``sampling_params.logit_bias`` on /generate)."""
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"{prefix}{name} holds token id {bad}, outside the vocabulary [0, "
+                                    f"{self.vocab_size})", param=prefix + name)
 
     # -- outputs ------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:

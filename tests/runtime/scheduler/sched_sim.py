@@ -15,6 +15,7 @@ that are still allocated and that nothing in the same step overwrites.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.radix_cache import NoCache, RadixCache, SlotAllocator
@@ -52,13 +53,19 @@ class Sim:
         page_size: int = 1,
         max_context: int = 4096,
         graph_room: GraphRoom | None = None,
+        step_seconds: Callable[[list[Scheduled]], float] | None = None,
         **sched_kwargs,
     ) -> None:
+        """``step_seconds``: what a step takes on the scheduler's clock (default: nothing, a frozen
+        clock, so the step-time limits never bind)."""
         self.allocator = SlotAllocator(num_slots)
         cache_cls = {"radix": RadixCache, "none": NoCache}[cache]
         self.cache = cache_cls(self.allocator, page_size)
         self.config = SchedulerConfig(**sched_kwargs)
-        self.sched = Scheduler(self.config, self.cache, self.allocator, max_context, graph_room=graph_room)
+        self.now = 0.0
+        self.step_seconds = step_seconds
+        self.sched = Scheduler(self.config, self.cache, self.allocator, max_context, graph_room=graph_room,
+                               clock=lambda: self.now)
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (token id, position) last written there
         self.table: dict[int, list[int]] = {}  # row -> slots of positions 0..len-1
         self.requests: dict[str, Request] = {}
@@ -81,6 +88,8 @@ class Sim:
     def step(self) -> list[Scheduled]:
         step = self.sched.schedule()
         self._check_step(step)
+        if self.step_seconds is not None and step:
+            self.now += self.step_seconds(step)
         for s in step:
             if s.samples:
                 req = s.req

@@ -8,6 +8,8 @@ import asyncio
 import json
 import socket
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import aiohttp
@@ -127,9 +129,18 @@ def test_a_valid_surrogate_pair_is_text(server, unharmed):
 
 
 # -- bug 3: huge integers ----------------------------------------------------------------------------
-def test_integer_literal_past_the_digit_limit_is_a_400(server, unharmed):
-    status, out = _raw(server, "/generate", '{"text": "a", "sampling_params": {"max_new_tokens": ' + "9" * 5000 + "}}")
-    _error(out, status, 400, "number")
+@pytest.mark.parametrize(("body", "message"), [
+    ('{"text": "a", "sampling_params": {"max_new_tokens": ' + "9" * 5000 + "}}",
+     "the request body holds an integer of more than 4300 digits; integers must fit in 64 bits"),
+    ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "the request body is nested too deeply; send fewer levels of nested arrays and objects"),
+    ('{"text": "a", "sampling_params": {"temperature": -Infinity}}',
+     "the request body holds -Infinity, which is not a JSON number; send a finite number"),
+])
+def test_a_body_json_cannot_carry_is_a_400_saying_what_to_send(server, unharmed, body, message):
+    """What the client should change (never advice for the server, such as Python's own messages)."""
+    status, out = _raw(server, "/generate", body)
+    assert _error(out, status, 400)["message"] == message
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
@@ -308,9 +319,9 @@ def test_response_cost_is_bounded_up_front(server, unharmed):
 def test_cumulative_stream_is_metered(server, unharmed):
     async def run() -> list[Any]:
         async with aiohttp.ClientSession(headers=AUTH) as http:
-            body = {"text": "Count:", "stream": True, "return_logprob": True, "top_logprobs_num": 20,
-                    "return_text_in_logprobs": True,
-                    "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+            # each chunk resends the text and output ids so far: ~10 bytes a token, so ~200 tokens
+            # pass MAX_RESPONSE_BYTES (the estimate up front, 16 bytes a token, lets it start)
+            body = {"text": "Count:", "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
             async with http.post(server.url + "/generate", json=body) as resp:
                 return await read_sse(resp)
 
@@ -353,11 +364,121 @@ def test_api_key_from_a_file_or_the_environment(tmp_path):
     assert resolve_api_key(None, None, {API_KEY_ENV: "from-env"}) == "from-env"
     assert resolve_api_key("flag", None, {API_KEY_ENV: "from-env"}) == "flag"
     assert resolve_api_key(None, None, {}) is None
+    for empty in ("", "  "):  # set but empty: the server would start with no auth and no word
+        with pytest.raises(ValueError, match=r"\$RADIXLM_API_KEY is set but empty"):
+            resolve_api_key(None, None, {API_KEY_ENV: empty})
     with pytest.raises(ValueError, match="not both"):
         resolve_api_key("flag", str(path), {})
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         resolve_api_key(None, str(tmp_path / "empty"), {})
+
+
+# -- the server's edge: sampling corner cases, methods, media types, limits ------------------------------
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300])  # 0 in float32: the sampler kept no token (eight token 0s)
+def test_top_p_that_is_zero_in_float32_decodes_greedily(server, unharmed, greedy_text, top_p):
+    sampled = {"temperature": 1.0, "seed": 7, "top_p": top_p, "max_new_tokens": 8}
+    assert server.generate({"text": GREEDY["text"], "sampling_params": sampled})["text"] == greedy_text
+    status, out = server.post("/v1/completions", {"prompt": GREEDY["text"], "max_tokens": 8, "top_p": top_p,
+                                                  "temperature": 1.0, "seed": 7})
+    assert status == 200 and out["choices"][0]["text"] == greedy_text, out
+
+
+def _head(server: Server, path: str) -> tuple[int, Any]:
+    req = urllib.request.Request(server.url + path, method="HEAD", headers=AUTH)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.headers
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers
+
+
+def test_head_on_a_get_route_that_acts_is_a_405(server, unharmed):
+    server.generate(GREEDY)  # something cached to flush
+    cached = server.get("/debug/check")[1]["cache_tokens"]
+    prompts = server.server_info()["stats"]["prompt_tokens_total"]  # the engine's, every request counted
+    for path, allow in (("/flush_cache", "GET,POST"), ("/health_generate", "GET")):
+        status, headers = _head(server, path)
+        assert status == 405 and headers["Allow"] == allow, (path, status, dict(headers))
+        assert headers["Content-Type"].startswith("application/json")
+    assert server.get("/debug/check")[1]["cache_tokens"] == cached > 0  # not flushed
+    assert server.server_info()["stats"]["prompt_tokens_total"] == prompts  # no test generation ran
+    assert _head(server, "/health")[0] == 200 and _head(server, "/get_model_info")[0] == 200  # reads keep HEAD
+
+
+JSON_ROUTES = [("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}),
+               ("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+               ("/tokenize", {"prompt": "Hi"}), ("/abort_request", {"abort_all": True})]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "multipart/form-data; boundary=x",
+                                          "application/x-www-form-urlencoded", None])
+@pytest.mark.parametrize(("path", "body"), JSON_ROUTES)
+def test_json_routes_refuse_bodies_not_sent_as_json(server, path, body, content_type):
+    """What a web page can POST across sites without a CORS preflight: a 415 before anything runs."""
+    raw = json.dumps(body).encode()
+    if content_type is None:  # no Content-Type header at all (curl --data-binary @- -H 'Content-Type:')
+        status, _, answer = _http(server, f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                                          f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n".encode() + raw)
+        out = json.loads(answer)
+    else:
+        status, out = server.post(path, raw=raw, headers={"Content-Type": content_type})
+    err = _error(out, status, 415, "Content-Type: application/json")
+    assert err["code"] == "unsupported_media_type"
+
+
+def test_json_bodies_are_utf8(server, unharmed):
+    tokens = server.post("/tokenize", {"prompt": "caf\u00e9"})[1]["tokens"]
+    for content_type in ("application/json; charset=utf-8", 'Application/JSON; charset="UTF-8"'):
+        status, out = server.post("/tokenize", raw='{"prompt": "caf\u00e9"}'.encode(), headers={"Content-Type": content_type})
+        assert (status, out["tokens"]) == (200, tokens), out
+    assert server.post("/tokenize", raw=b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}')[1]["tokens"] == tokens  # a BOM
+    status, out = server.post("/tokenize", raw='{"prompt": "caf\u00e9"}'.encode("latin-1"),
+                              headers={"Content-Type": "application/json; charset=latin-1"})
+    _error(out, status, 415, "charset 'latin-1'")
+    status, out = server.post("/tokenize", raw='{"prompt": "caf\u00e9"}'.encode("latin-1"))
+    _error(out, status, 400, "not valid UTF-8 (byte 15 is not)")
+    status, out = server.post("/tokenize", raw='{"prompt": "hi"}'.encode("utf-16"))
+    _error(out, status, 400, "not valid UTF-8")
+
+
+STOP_LIMIT = 64 * 1024  # --max-stop-bytes' default
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1, "stop": ["x" * STOP_LIMIT, "y"]}},
+     "sampling_params"),
+    ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1, "stop": "\u00e9" * (STOP_LIMIT // 2 - 1),
+                                                     "stop_regex": ["abc"]}}, "sampling_params"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stop": ["x" * 40000, "y" * 40000]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                              "stop": ["x" * 1_000_000] * 30}, "stop"),
+])
+def test_stop_strings_are_bounded_in_all(server, unharmed, path, body, param):
+    status, out = server.post(path, body)
+    assert _error(out, status, 400, "--max-stop-bytes")["param"] == param
+    assert server.post("/generate", {"text": "Hi", "sampling_params": {  # exactly at the limit: accepted
+        "max_new_tokens": 1, "stop": ["x" * (STOP_LIMIT - 8)], "stop_regex": ["abcdefgh"]}})[0] == 200
+
+
+@pytest.mark.parametrize(("path", "body", "message", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": 2.0000001},
+     "temperature must be <= 2, got 2.0000001", "temperature"),
+    ("/generate", {"text": "Hi", "sampling_params": {"temperature": 100.0000001}},
+     "temperature must be in [0, 100] (0 means greedy), got 100.0000001", "sampling_params"),
+    ("/generate", {"text": "Hi", "sampling_params": {"top_p": 1.0000000001}}, "got 1.0000000001", "sampling_params"),
+    ("/generate", {"text": "Hi", "sampling_params": {"stop_token_ids": [10**6]}},
+     "sampling_params.stop_token_ids holds token id 1000000, outside the vocabulary", "sampling_params.stop_token_ids"),
+    ("/generate", {"text": ["Hi", "Ho"], "sampling_params": [{}, {"logit_bias": {"1000000": 1.0}}]},
+     "token id 1000000, outside the vocabulary", "sampling_params[1].logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [10**6]}, "outside the vocabulary", "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"1000000": 1}},
+     "outside the vocabulary", "logit_bias"),
+])
+def test_range_and_vocabulary_errors_say_the_value_and_name_the_field(server, unharmed, path, body, message, param):
+    status, out = server.post(path, body)
+    assert _error(out, status, 400, message)["param"] == param
 
 
 # -- helpers --------------------------------------------------------------------------------------------

@@ -207,6 +207,7 @@ def test_real_responses_validate_against_the_spec(server: Server, spec):
         ("post", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}),
         ("post", "/tokenize", {"prompt": ["Hi", "there"]}), ("post", "/detokenize", {"tokens": [[19556], [2]]}),
         ("post", "/abort_request", {"abort_all": True}), ("post", "/flush_cache", None),
+        ("post", "/concate_and_append_request", {"src_rids": ["a", "b"], "dst_rid": "c"}),
     ]
     for method, path, body in calls:
         status, out = server.request(method.upper(), path, body)

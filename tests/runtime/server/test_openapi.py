@@ -105,7 +105,17 @@ def test_error_responses_are_described_on_every_operation(spec):
             if method in METHODS and path not in ("/health", "/openapi.json"):
                 assert "401" in op["responses"], (method, path)
             if method in METHODS and "requestBody" in op:
-                assert {"400", "413"} <= set(op["responses"]), (method, path)
+                assert {"400", "413", "415"} <= set(op["responses"]), (method, path)
+
+
+def test_head_is_answered_on_every_get_path_but_those_that_act(spec):
+    """aiohttp answers HEAD on a GET route by itself; a GET that acts (flushes, generates) refuses it
+    (405), and the description says which do."""
+    app = create_app(ServerContext(ServerSettings(), EngineConfig()))
+    heads = {r.resource.canonical for r in app.router.routes() if r.method == "HEAD"}
+    gets = {path: item["get"] for path, item in spec["paths"].items() if "get" in item}
+    assert heads == {path for path, op in gets.items() if "405" not in op["responses"]}
+    assert {path for path, op in gets.items() if "405" in op["responses"]} == {"/flush_cache", "/health_generate"}
 
 
 def test_run_program_graph_schema_is_the_irs_own_and_accepts_a_traced_graph(spec):

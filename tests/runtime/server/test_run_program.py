@@ -71,6 +71,18 @@ def test_lang_test_programs_give_the_same_variables_both_ways(both):
     assert len(meta["output_top_logprobs"][0]) == 2
 
 
+def test_streamed_gen_keeps_every_logprob_both_ways(both):
+    """A native stream sends each chunk's new logprobs only: the client puts them back together."""
+    progs = load(ROOT / "tests" / "lang" / "test_programs.py", "lang_test_programs")
+    whole = progs.with_logprobs.run(backend=both[0], temperature=0).get_meta_info("days")
+    for backend in both:
+        state = progs.with_logprobs.run(backend=backend, temperature=0, stream=True)
+        assert len(list(state.text_iter("days"))) > 1
+        meta = state.get_meta_info("days")
+        assert [e[1] for e in meta["output_token_logprobs"]] == [e[1] for e in whole["output_token_logprobs"]]
+        assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == whole["completion_tokens"]
+
+
 def test_examples_give_the_same_variables_both_ways(both):
     client, remote = both
     tot = load(ROOT / "examples" / "agents" / "tree_of_thought.py", "agents_tot")
@@ -140,6 +152,9 @@ def fork_chain(depth: int) -> list[dict[str, Any]]:
     ({"nodes": [{"op": "exec", "code": "import os"}]}, "graph", "does not match any of the expected tags"),
     ({"nodes": [{"op": "fork", "id": 1, "branches": [[{"op": "fork", "id": 1, "branches": [[]]}]]},
                 {"op": "join", "fork": 1}]}, "graph", "fork id 1 is used twice"),
+    ({"nodes": [{"op": "text", "text": "Ideas:"}, {"op": "fork", "id": 0, "branches": [fork_chain(0)] * 2}]}, "graph",
+     "nodes[1]: fork 0 is never joined, so the variables its branches set (x) would be dropped: add "
+     '{"op": "join", "fork": 0} after it'),
     ({"nodes": "text"}, "graph", "nodes"),
     ({"nodes": fork_chain(4)}, "max_program_fork_depth", "--max-program-fork-depth"),
     ({"nodes": [{"op": "fork", "id": 0, "branches": [[]] * 5}, {"op": "join", "fork": 0}]},

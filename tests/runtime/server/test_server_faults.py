@@ -1,6 +1,6 @@
-"""Faults of a real `radixlm serve` process: a client that stops reading its stream, and the
-engine process killed with SIGKILL (restarted once with --restart-on-failure, then not again), and
-the server killed with SIGKILL (its engine process exits too).
+"""Faults of a real `radixlm serve` process: a client that stops reading its stream, the engine
+process killed with SIGKILL (restarted once, as the server does by default, then not again past
+--max-restarts), and the server killed with SIGKILL (its engine process exits too).
 
 The tests run in file order on one server (the last starts its own): the crash-loop test leaves its
 engine dead.
@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 
 WRITE_TIMEOUT_S = 2
 GREEDY = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
-# Every chunk of a native stream repeats the output so far with 200 top logprobs per token, so a
-# client that reads nothing fills the socket buffers (a few MB on loopback) within a few dozen tokens.
+# Every chunk of a native stream repeats the output so far and carries its new token's 200 top
+# logprobs with their text (~5 KB), so a client that reads nothing fills the socket buffers (a few
+# MB on loopback) within a few hundred tokens.
 STUCK = {"text": "Write a long story.", "stream": True, "return_logprob": True, "top_logprobs_num": 200,
          "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
 LONG = {"text": "Count to a thousand.", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
@@ -35,7 +36,7 @@ DEADLINE_S = 300.0  # polls give up after this (the machine may be shared and sl
 @pytest.fixture(scope="module")
 def server():
     # fp32: greedy outputs are then identical batched or alone (the reference runs alone)
-    s = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--restart-on-failure", "--max-restarts", "1",
+    s = start_server("--dtype", "float32", "--max-total-tokens", "8192", "--max-restarts", "1",
                      "--stream-write-timeout", str(WRITE_TIMEOUT_S), "--max-top-logprobs", "200")
     yield s
     assert s.stop() == 0  # also with its engine dead
@@ -133,7 +134,7 @@ def test_stuck_stream_is_aborted_and_others_proceed(server: Server, reference: s
     assert rss_after - rss_before < 64
 
 
-async def _in_flight_then_kill(server: Server) -> tuple[list[Any], int, dict[str, Any]]:
+async def _in_flight_then_kill(server: Server) -> tuple[list[Any], int, dict[str, Any], str | None]:
     """A stream and a plain request in flight; SIGKILL the engine; what each client gets."""
     async with aiohttp.ClientSession() as s:
         async with s.post(server.url + "/generate", json={**LONG, "stream": True}) as stream:
@@ -145,7 +146,14 @@ async def _in_flight_then_kill(server: Server) -> tuple[list[Any], int, dict[str
             os.kill(server.server_info()["engine_pid"], signal.SIGKILL)
             events = [first, *await read_sse(stream)]
         async with await plain as resp:
-            return events, resp.status, await resp.json()
+            return events, resp.status, await resp.json(), resp.headers.get("Retry-After")
+
+
+def _get_with_headers(server: Server, path: str) -> tuple[int, Any, dict[str, str]]:
+    async def get() -> tuple[int, Any, dict[str, str]]:
+        async with aiohttp.ClientSession() as s, s.get(server.url + path) as resp:
+            return resp.status, await resp.json(), dict(resp.headers)
+    return asyncio.run(get())
 
 
 def _assert_engine_dead(body: dict[str, Any]) -> None:
@@ -154,21 +162,57 @@ def _assert_engine_dead(body: dict[str, Any]) -> None:
     assert "the engine process died (killed by SIGKILL)" in err["message"]
 
 
+SLOW_STOP = [  # a grammar's forced opening fed to a stop regex too slow to search
+    {"text": "x", "sampling_params": {"regex": "a{300}", "stop_regex": "(.*a){25}x", "max_new_tokens": 310,
+                                      "temperature": 0}},
+    {"text": "x", "sampling_params": {"json_schema": json.dumps({"const": "a" * 300}), "stop_regex": "(.*a){25}x",
+                                      "max_new_tokens": 310, "temperature": 0}},
+]
+
+
+async def _beside(server: Server, bad: dict[str, Any]) -> tuple[str, int, dict[str, Any]]:
+    """A greedy stream running while `bad` is sent: the stream's text, bad's status and body."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.url + "/generate", json={**GREEDY, "stream": True}) as stream:
+            assert stream.status == 200
+            first = await next_event(stream)
+            async with s.post(server.url + "/generate", json=bad) as resp:
+                status, body = resp.status, await resp.json()
+            events = [first, *await read_sse(stream)]
+    assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), events
+    return events[-2]["text"], status, body
+
+
+@pytest.mark.parametrize("bad", SLOW_STOP, ids=["regex", "json_schema"])
+def test_one_request_cannot_take_the_engine_down(server: Server, reference: str, bad: dict[str, Any]):
+    """Its fault ends it alone (a 400 naming what to fix); the stream beside it and the engine go on."""
+    pid = server.server_info()["engine_pid"]
+    text, status, body = asyncio.run(_beside(server, bad))
+    assert status == 400, body
+    assert "stop_regex took longer" in body["error"]["message"]
+    assert text == reference
+    assert server.get("/health")[0] == 200
+    assert server.server_info()["engine_pid"] == pid
+    assert server.generate(GREEDY)["text"] == reference
+
+
 def test_engine_killed_in_flight_fails_cleanly_then_restarts(server: Server, reference: str):
     pid = server.server_info()["engine_pid"]
-    events, status, body = asyncio.run(_in_flight_then_kill(server))
+    events, status, body, retry_after = asyncio.run(_in_flight_then_kill(server))
     # the stream: its chunks, one error event, then the end of the stream
     assert events[-1] == "[DONE]"
     assert "error" not in events[0] and all("error" not in e for e in events[:-2])
     _assert_engine_dead(events[-2])
-    # the plain request: a 503 with a JSON error
+    # the plain request: a 503 with a JSON error, and when to retry (the engine restarts by default)
     assert status == 503
     _assert_engine_dead(body)
-    # restarting: /health says why; then a fresh engine serves the same greedy text
-    status, health = server.get("/health")
+    assert retry_after is not None and int(retry_after) >= 1
+    # restarting: /health says why and when to come back; then a fresh engine serves the same greedy text
+    status, health, headers = _get_with_headers(server, "/health")
     assert status == 503
     _assert_engine_dead(health)
     assert "restarting" in health["error"]["message"]
+    assert int(headers["Retry-After"]) >= 1
     poll("the restarted engine", lambda: server.get("/health")[0] == 200)
     assert server.generate(GREEDY)["text"] == reference
     info = server.server_info()
@@ -189,6 +233,7 @@ def test_crash_loop_ends_in_503(server: Server):
         status, got = server.post(path, body, timeout=30)
         assert status == 503, got
         _assert_engine_dead(got)
+    assert "Retry-After" not in _get_with_headers(server, "/health")[2]  # it will not come back by itself
     assert server.get("/get_server_info")[0] == 503
     assert server.metric("radixlm_engine_up") == 0 and server.metric("radixlm_engine_restarts_total") == 1
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -144,6 +146,69 @@ def test_run_batch_flush_cache_and_server_info(sgl):
     sgl.flush_cache()  # POST /flush_cache
 
 
+def test_stream_logprobs_are_those_of_the_new_tokens(sgl, server: Server):
+    """SGLang's own test_stream_logprobs checks, on every chunk its RuntimeEndpoint reads."""
+    from sglang.lang.ir import SglSamplingParams
+
+    backend = sgl.RuntimeEndpoint(server.url, chat_template_name="chatml")
+    state = SimpleNamespace(text_="The capital of France is", images_=[])  # what generate_stream reads
+    params = SglSamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, return_logprob=True,
+                               top_logprobs_num=2)
+    chunks = list(backend.generate_stream(state, params))
+    assert len(chunks) > 2
+    prev, ids = 0, []
+    for _, meta in chunks:
+        new = meta["output_token_logprobs"]
+        assert meta["completion_tokens"] == meta["output_token_logprobs_length"]
+        assert len(new) == meta["completion_tokens"] - prev == len(meta["output_top_logprobs"])
+        prev = meta["completion_tokens"]
+        ids += [tid for _, tid, _ in new]
+    assert ids == _gen(server, {})["output_ids"]  # the same 16 greedy tokens, unstreamed
+
+
+def test_streamed_program_chunks_carry_their_logprobs(sgl):
+    @sgl.function
+    def qa(s):
+        s += sgl.user(QUESTION) + sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0, return_logprob=True))
+
+    async def collect() -> list[Any]:
+        return [c async for c in qa.run(stream=True).text_async_iter("answer", return_meta_data=True)]
+
+    chunks = asyncio.run(collect())
+    # (the iterator reads the newest chunk's meta when it wakes: per-chunk counts are checked above)
+    assert chunks and all(text and meta["completion_tokens"] == meta["output_token_logprobs_length"]
+                          for text, meta in chunks)
+    assert "".join(text for text, _ in chunks) == qa.run()["answer"]
+
+
+CONTEXTS = ["Ethan is the father of Liam.", "Noah is the father of Julian.", "Oliver is the father of Mason."]
+JOIN_QUESTION = "Question: Who is the father of Julian?\nAnswer:"
+
+
+def test_concate_and_append_join_equals_the_text_sent_unforked(sgl):
+    @sgl.function
+    def joined(s):
+        s += "Please memorize these statements.\n"
+        forks = s.fork(len(CONTEXTS))
+        forks += lambda i: f"Statement {i}: {CONTEXTS[i]}\n"
+        forks.join(mode="concate_and_append")
+        s += JOIN_QUESTION + sgl.gen("answer", max_tokens=8, temperature=0)
+
+    @sgl.function
+    def straight(s):
+        s += "Please memorize these statements.\n"
+        for i, c in enumerate(CONTEXTS):
+            s += f"Statement {i}: {c}\n"
+        s += JOIN_QUESTION + sgl.gen("answer", max_tokens=8, temperature=0)
+
+    # the frontend joins through POST /concate_and_append_request (not by appending text itself)
+    assert sgl.global_config.enable_parallel_encoding and sgl.global_config.default_backend.support_concate_and_append
+    state = joined.run()
+    assert state.error() is None
+    plain = straight.run()
+    assert state.text() == plain.text() and state["answer"] == plain["answer"] and state["answer"]
+
+
 # -- SGLang's protocol without the package ---------------------------------------------------------
 def _gen(server: Server, params: dict[str, Any], text: str = "The capital of France is", **body: Any) -> Any:
     return server.generate({"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 16,
@@ -257,6 +322,78 @@ def test_stream_interval_sends_a_chunk_every_k_tokens(server: Server):
     assert sparse[-1]["text"] == every[-1]["text"] and sparse[-1]["output_ids"] == every[-1]["output_ids"]
     counts = [len(e["output_ids"]) for e in sparse]
     assert counts == [1, 5, 9, 12], counts  # the first token at once, then every 4, then the end
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                              "country": {"type": "string", "maxLength": 12}},
+               "required": ["city", "country"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize(("text", "params"), [
+    ("The capital of France is", {"max_new_tokens": 12, "ignore_eos": True}),
+    ("The capital of France is", {"max_new_tokens": 12, "ignore_eos": True, "stream_interval": 5}),
+    ("Paris as JSON with its city and country: ", {"max_new_tokens": 40, "json_schema": json.dumps(CITY_SCHEMA)}),
+], ids=["every-token", "stream-interval", "json-schema"])
+def test_stream_logprobs_are_the_new_tokens_and_add_up_to_the_whole(server: Server, text, params):
+    body = {"text": text, "sampling_params": {"temperature": 0, **params}, "return_logprob": True,
+            "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    whole = server.generate(body)["meta_info"]
+    assert whole["output_token_logprobs_length"] == whole["completion_tokens"] == len(whole["output_token_logprobs"])
+    events = asyncio.run(_stream(server, body))
+    assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"] == whole["finish_reason"]
+    held: list[Any] = []
+    tops: list[Any] = []
+    for e in events[:-1]:
+        m = e["meta_info"]
+        new = m["output_token_logprobs"]
+        assert m["output_token_logprobs_length"] == m["completion_tokens"] == len(e["output_ids"])
+        start = m["output_token_logprobs_length"] - len(new)
+        # the tokens new since the last chunk; after a jump over forced text re-tokenized a tail
+        # already sent (json-schema), from where it changed
+        assert start == len(held) or ("json_schema" in params and start < len(held)), (start, len(held))
+        del held[start:], tops[start:]
+        held += new
+        tops += m["output_top_logprobs"]
+        assert [tid for _, tid, _ in held] == e["output_ids"]
+    if "stream_interval" in params:
+        assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == [1, 6, 11, 12]
+    assert [entry[1:] for entry in held] == [entry[1:] for entry in whole["output_token_logprobs"]]
+    assert [entry[0] for entry in held] == pytest.approx([entry[0] for entry in whole["output_token_logprobs"]],
+                                                         abs=1e-4)
+    assert [[t[1] for t in step] for step in tops] == [[t[1] for t in step] for step in whole["output_top_logprobs"]]
+
+
+def test_concate_and_append_request_as_the_sglang_frontend_sends_it(server: Server):
+    prefix, pieces = "Please memorize these statements.\n", [f"Statement {i}: {c}\n" for i, c in enumerate(CONTEXTS)]
+    full = prefix + "".join(pieces) + JOIN_QUESTION
+    assert server.post("/flush_cache")[0] == 200
+    reference = _gen(server, {"max_new_tokens": 8}, text=full)
+    assert server.post("/flush_cache")[0] == 200
+    for piece in pieces:  # each fork commits its text (SglCommitLazy), then the join
+        assert server.generate({"text": prefix + piece, "sampling_params": {"max_new_tokens": 0}})
+    status, out = server.post("/concate_and_append_request", {"src_rids": ["a1", "b2", "c3"], "dst_rid": "d4"})
+    assert status == 200 and out["success"] is True, out
+    joined = _gen(server, {"max_new_tokens": 8}, text=full)  # the destination's next gen sends the joined text
+    assert joined["text"] == reference["text"] and joined["output_ids"] == reference["output_ids"]
+    first = server.post("/tokenize", {"prompt": prefix + pieces[0]})[1]["tokens"]
+    whole = server.post("/tokenize", {"prompt": full})[1]["tokens"]
+    shared = len(os.path.commonprefix([first, whole]))  # the prompt up to the end of the first fork's piece
+    assert joined["meta_info"]["cached_tokens"] == shared, (joined["meta_info"], shared, len(whole))
+
+
+@pytest.mark.parametrize(("body", "param", "what"), [
+    ({"dst_rid": "d"}, "src_rids", "src_rids is required"),
+    ({"src_rids": [], "dst_rid": "d"}, "src_rids", "non-empty list of non-empty strings"),
+    ({"src_rids": ["a", 1], "dst_rid": "d"}, "src_rids", "non-empty list of non-empty strings"),
+    ({"src_rids": "a", "dst_rid": "d"}, "src_rids", "non-empty list of non-empty strings"),
+    ({"src_rids": ["a"]}, "dst_rid", "dst_rid is required"),
+    ({"src_rids": ["a"], "dst_rid": ""}, "dst_rid", "must be a non-empty string"),
+    ({"src_rids": ["a", "b"], "dst_rid": "b"}, "dst_rid", "joined into itself"),
+    ({"src_rids": ["a"], "dst_rid": "d", "mode": "x"}, "mode", "mode"),
+])
+def test_bad_concate_and_append_bodies_are_400s_naming_the_field(server: Server, body, param, what):
+    status, out = server.post("/concate_and_append_request", body)
+    assert status == 400 and out["error"]["param"] == param and what in out["error"]["message"], out
 
 
 # -- structural_tag: free text, enforced JSON inside each tag ---------------------------------------

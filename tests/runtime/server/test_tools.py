@@ -236,6 +236,15 @@ BAD = [
     ({"tools": TOOLS, "messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    # a result of no call the model made (rendered as given before)
+    ({"tools": TOOLS, "messages": [{"role": "user", "content": "Weather in Oslo?"},
+                                   {"role": "assistant", "content": None, "tool_calls": [
+                                       _history_call("c1", "get_weather", {"city": "Oslo", "unit": "celsius"})]},
+                                   {"role": "tool", "tool_call_id": "c1", "content": "5 C"},
+                                   {"role": "tool", "tool_call_id": "c2", "content": "7 C"}]},
+     "messages[3].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c1", "content": "r"}]},
+     "messages[1].tool_call_id"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "logprobs": True}, "logprobs"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
@@ -248,6 +257,9 @@ def test_bad_tool_input_is_a_400_naming_the_field(server, fields, param):
     status, out = server.post("/v1/chat/completions", body)
     assert status == 400, out
     assert out["error"]["param"] == param, out
+    if param == "messages[3].tool_call_id":
+        assert "'c2' answers no tool call of an earlier assistant message" in out["error"]["message"]
+        assert "ids so far: 'c1'" in out["error"]["message"]
 
 
 # -- a template that renders tools itself (Hermes / Qwen style) --------------------------------------
