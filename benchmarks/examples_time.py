@@ -60,7 +60,7 @@ e.shutdown()
 
 
 def decode_ms_per_token() -> float:
-    """bs1 greedy decode ms/token of the default model now (docs/benchmarks.md has it idle)."""
+    """bs1 greedy decode ms/token of the default model now (docs/benchmarks.md, "Model speed", has it on an idle machine)."""
     out = subprocess.run([sys.executable, "-c", CALIBRATE], cwd=ROOT, capture_output=True, text=True, check=True)
     return round(float(out.stdout.strip().splitlines()[-1]), 1)
 

@@ -1,6 +1,6 @@
 """A prompt alone on the server: prefill tok/s in one step (up to max_prefill_tokens, the
-scheduler's rule since 2026-11-27) against cut into chunks of chunked_prefill_size (the rule
-before, forced here by max_prefill_tokens = chunked_prefill_size). Two engines of the same model,
+scheduler's rule) against cut into chunks of chunked_prefill_size (forced here by
+max_prefill_tokens = chunked_prefill_size). Two engines of the same model,
 measured in alternation so load on a shared machine falls on both alike; the best and the median
 of the repetitions are reported.
 

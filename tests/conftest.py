@@ -5,7 +5,7 @@ module's tests in one worker, so module fixtures such as a server start once), e
 of the cores for torch: a decode step of the default model is bound by memory bandwidth, which one
 thread nearly saturates (bs1 fp32: 59.7 ms a token on one thread, 55.7 ms on two, AVX2 EPYC), so
 two workers on two cores run the suite ~1.65x faster than one process on both (docs/benchmarks.md,
-"Suite time, third pass").
+"Suite time").
 ``-n 0`` runs it in one process."""
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ class ServerContext:
         self._restarts: deque[float] = deque()  # monotonic times of restarts within the window
         self.num_restarts = 0
         self.start_seconds = 30.0  # how long the engine's last start took (a guess until the first)
+        self._restarting = False  # a fresh engine process is being started
         self.session_lock = asyncio.Lock()  # /open_session checks the cap and opens as one step
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -99,6 +100,7 @@ class ServerContext:
                     log.error("%s; the server answers 503 until it is restarted", self._engine_down)
                     return
                 self._restarts.append(time.monotonic())
+                self._restarting = True
                 self._engine_down = f"{why}; restarting it"
                 log.warning("restarting the engine process (restart %d within %.0f s, at most %d)",
                             len(self._restarts), self.settings.restart_window, self.settings.max_restarts)
@@ -109,6 +111,7 @@ class ServerContext:
                     self.start_seconds = time.monotonic() - t0
                     break
                 except Exception as e:  # noqa: BLE001 - a failed restart counts against the cap too
+                    self._restarting = False
                     why = f"the restarted engine failed to start: {e}"
                     log.error("%s", why)
                     await client.close()
@@ -119,6 +122,7 @@ class ServerContext:
             assert self._dispatcher is not None
             self._dispatcher.client = client
             self._engine_down = None
+            self._restarting = False
             self.num_restarts += 1
             self.metrics.engine_restarts.inc()
             log.info("the engine process is back (pid %s)", client.pid)
@@ -184,7 +188,7 @@ class ServerContext:
         took. None when it will not come back (restarts off or used up) or the server drains."""
         if self.phase is Phase.DRAINING or self.phase is Phase.STOPPED:
             return None
-        if self.engine_down() is not None and self._restart_refusal() is not None:
+        if not self._restarting and self.engine_down() is not None and self._restart_refusal() is not None:
             return None
         return {"Retry-After": str(max(1, math.ceil(self.start_seconds)))}
 
