@@ -5,7 +5,8 @@ times int8 activation blocks in integers, as llama.cpp multiplies at batch 1: th
 VNNI where the processor has it, else through AVX2. torch's own int4 kernel converts
 each weight to a float and stays compute-bound (~16 GB/s on a Zen 4 core pair), and has no fast
 path for fp32 activations at all; these read the weights at the memory's speed. The IR and its
-layout: native_ir.py.
+layout: native_ir.py; the structs and signatures both sides share, and the keyword callers that
+check their arguments: native_abi.py; the worker threads' protocol: thread_pool.py.
 
 `BlockProduct` holds one matrix in the kernels' layout and multiplies [rows, K] bf16 or fp32
 activations (rows <= native_ir.MAX_ROWS per call; more in turn). The threads: the product's output rows are
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.config import default_cache_dir
-from radixlm.runtime.kernels import native_ir, object_cache
+from radixlm.runtime.kernels import native_abi, native_ir, object_cache
 from radixlm.runtime.kernels.cpuinfo import cpuinfo_field
 
 logger = logging.getLogger(__name__)
@@ -106,32 +107,33 @@ class _Library:
         self.engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), self.machine)
         self.engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
         self.engine.finalize_object()
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        address = self.engine.get_function_address
-        self.product = ctypes.CFUNCTYPE(None, p, p, p, p, i, i)(address("product"))
-        self.attention = ctypes.CFUNCTYPE(None, p, p, i, p, i, p, i, p, p, i, i, i, ctypes.c_float, p, i, i, i, i)(
-            address("attention"))
-        self.norm = ctypes.CFUNCTYPE(None, p, p, p, p, i, ctypes.c_float, i, i, i)(address("rms_norm"))
-        self.rotate = ctypes.CFUNCTYPE(None, p, p, p, p, p, i, i, i, i, i, i)(address("rotate"))
-        self.swiglu = ctypes.CFUNCTYPE(None, p, p, p, i, i, i, i)(address("swiglu"))
-        self.write_rows = ctypes.CFUNCTYPE(None, p, i, p, i, p, i, i)(address("write_rows"))
-        self.decode_layers = ctypes.CFUNCTYPE(None, p, p)(address("decode_layers"))
-        prefill = ctypes.CFUNCTYPE(None, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, i, p)
-        self.prefill = prefill(address("prefill")) if isa in native_ir.PREFILL_ISAS else None
-        self.prefill_bf16 = prefill(address("prefill_bf16")) if self.bf16 else None
-        self.layout = (ctypes.CFUNCTYPE(None, p, p, p, i, i, p, i, i, i, p, p, i, i, i)(address("layout"))
-                       if isa in native_ir.PREFILL_ISAS else None)
+
+        def kernel(function: native_abi.Function) -> native_abi.Kernel:
+            return native_abi.Kernel(function, self.engine.get_function_address(function.name))
+
+        # the entry points, called with keyword arguments (native_abi declares them); None: not in this module
+        self.product = kernel(native_abi.PRODUCT)
+        self.attention = kernel(native_abi.ATTENTION)
+        self.norm = kernel(native_abi.RMS_NORM)
+        self.rotate = kernel(native_abi.ROTATE)
+        self.swiglu = kernel(native_abi.SWIGLU)
+        self.write_rows = kernel(native_abi.WRITE_ROWS)
+        self.decode_layers = kernel(native_abi.DECODE_LAYERS)
+        prefill = isa in native_ir.PREFILL_ISAS
+        self.prefill = kernel(native_abi.PREFILL) if prefill else None
+        self.prefill_bf16 = kernel(native_abi.PREFILL_BF16) if self.bf16 else None
+        self.layout = kernel(native_abi.LAYOUT) if prefill else None
+        self.tiles = kernel(native_abi.TILES) if isa in native_ir.TILE_ISAS else None
+        self.worker = kernel(native_abi.WORKER_LOOP)
+        self.wake = kernel(native_abi.WAKE)
         self.scratch = torch.empty(0, dtype=torch.float32)  # the attention's scores, a row per part
-        self.tiles = (ctypes.CFUNCTYPE(None, p, p, p, p, i, i, i, p, p, i)(address("tiles"))
-                      if isa in native_ir.TILE_ISAS else None)
         # the tiled products' quantized activations and their scales (grown to the most rows seen)
         self.tile_values = torch.empty(0, dtype=torch.int8)
         self.tile_scales = torch.empty(0, dtype=torch.float32)
-        self.worker = ctypes.CFUNCTYPE(None, p, i)(address("worker"))
-        self.wake = ctypes.CFUNCTYPE(None, p, i)(address("wake"))
-        with torch.inference_mode(False):  # (written in place outside a forward too: at stop, at start)
-            self.control = torch.zeros(native_ir.CONTROL_SLOTS, dtype=torch.int64)
-        self.control_address = self.control.data_ptr()
+        # the control block (native_abi.CONTROL), in a tensor's memory (torch aligns it to a cache line)
+        self.control_memory = torch.zeros(ctypes.sizeof(native_abi.CONTROL.ctype), dtype=torch.uint8)
+        self.control = native_abi.CONTROL.ctype.from_address(self.control_memory.data_ptr())
+        self.control_address = ctypes.addressof(self.control)
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self.threads_started = False
@@ -148,9 +150,9 @@ class _Library:
         if self.threads_started:
             return
         self.threads_started, self.threads = True, []
-        self.control.zero_()
-        for index in range(max(0, min(torch.get_num_threads(), 64) - 1)):
-            thread = threading.Thread(target=self.worker, args=(self.control_address, index), daemon=True,
+        ctypes.memset(self.control_address, 0, ctypes.sizeof(self.control))
+        for index in range(max(0, min(torch.get_num_threads(), native_abi.MAX_WORKERS) - 1)):
+            thread = threading.Thread(target=functools.partial(self.worker, ctl=self.control, i=index), daemon=True,
                                       name=f"radixlm-native-{index}")
             thread.start()
             self.threads.append(thread)
@@ -178,9 +180,9 @@ class _Library:
     def stop(self) -> None:
         if not self.threads:
             return
-        self.control[native_ir.STOP] = 1
-        self.control[native_ir.SEQ] += 1
-        self.wake(self.control_address, self.workers)
+        self.control.stop = 1
+        self.control.seq += 1
+        self.wake(ctl=self.control, workers=self.workers)
         for thread in self.threads:
             thread.join(timeout=1.0)
         self.threads, self.threads_started = [], False
@@ -270,14 +272,14 @@ def busy(isa_name: str | None = None) -> Iterator[None]:
     threads = torch.get_num_threads()
     lib.busy_depth += 1
     if lib.busy_depth == 1 and lib.workers:
-        lib.control[native_ir.BUSY] = 1
+        lib.control.busy = 1
         torch.set_num_threads(1)
     try:
         yield
     finally:
         lib.busy_depth -= 1
         if lib.busy_depth == 0 and lib.workers:
-            lib.control[native_ir.BUSY] = 0
+            lib.control.busy = 0
             torch.set_num_threads(threads)
 
 
@@ -377,7 +379,9 @@ class BlockProduct:
         with lib.lock:
             if not lib.threads_started:
                 lib.start()
-            lib.product(lib.control_address, self.descriptor_address, x.data_ptr(), y.data_ptr(), rows, lib.workers)
+            # (by address: x checked above, the descriptor made by __init__; ~121 products a decode step)
+            lib.product.addresses(ctl=lib.control_address, desc=self.descriptor_address, x=x.data_ptr(),
+                                  y=y.data_ptr(), m=rows, workers=lib.workers)
         return y
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
@@ -391,8 +395,8 @@ class BlockProduct:
         with running(lib) as omp:
             lib.tile_scratch(padded * self.k)
             assert lib.tiles is not None
-            lib.tiles(lib.control_address, self.tile_descriptor.data_ptr(), x.data_ptr(), y.data_ptr(), rows,
-                      padded, lib.workers, lib.tile_values.data_ptr(), lib.tile_scales.data_ptr(), omp)
+            lib.tiles(ctl=lib.control, desc=self.tile_descriptor, x=x, y=y, m=rows, mpad=padded, workers=lib.workers,
+                      aq=lib.tile_values, asc=lib.tile_scales, omp=omp)
         return y[:rows]
 
     def _in_turn(self, x: torch.Tensor) -> torch.Tensor:
@@ -430,9 +434,10 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, len
     lib = library()
     with running(lib):
         stride = lib.attention_scratch(longest)
-        lib.attention(lib.control_address, q.data_ptr(), q.stride(0), kv.data_ptr(), kv.stride(0), slots.data_ptr(),
-                      longest, lengths.data_ptr(), out.data_ptr(), b * heads, heads, kv_heads, scale,
-                      lib.scratch.data_ptr(), stride, lib.workers, d, int(q.dtype == torch.float32))
+        lib.attention(ctl=lib.control, q=q, qstride=q.stride(0), kv=kv, kvstride=kv.stride(0), idx=slots,
+                      maxkv=longest, lens=lengths, out=out, items=b * heads, heads=heads, kvheads=kv_heads,
+                      scale=scale, scratch=lib.scratch, sstride=stride, workers=lib.workers, dim=d,
+                      f32=int(q.dtype == torch.float32))
     return out
 
 
@@ -448,8 +453,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     lib = library()
     with running(lib) as omp:
-        lib.norm(lib.control_address, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[1], eps, x.shape[0],
-                 lib.workers, omp)
+        lib.norm(ctl=lib.control, x=x, w=weight, y=y, k=x.shape[1], eps=eps, rows=x.shape[0], workers=lib.workers,
+                 threads=omp)
     return y
 
 
@@ -524,14 +529,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     values = torch.empty(kv_heads * padded * d, dtype=dtype)
     index = torch.arange(total) if slots is None else slots
     with running(lib) as omp:
-        lib.layout(lib.control_address, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), index.data_ptr(),
-                   total, padded, kv_heads, keys_t.data_ptr(), values.data_ptr(), int(bf16), lib.workers, omp)
+        lib.layout(ctl=lib.control, ks=k, vs=v, kstride=k.stride(0), vstride=v.stride(0), idx=index, n=total,
+                   padded=padded, kvh=kv_heads, kt=keys_t, vv=values, isbf16=int(bf16), workers=lib.workers,
+                   threads=omp)
         # each part's scores: PREFILL_ROWS rows of the keys, then (bf16) its item's queries
         part = native_ir.PREFILL_ROWS * (padded + native_ir.PREFILL_ROW_PAD) + native_ir.PREFILL_Q_SCRATCH
         scratch = torch.empty(max(omp, lib.workers + 1) * part, dtype=torch.float32)
-        kernel(lib.control_address, q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
-               out.data_ptr(), heads, kv_heads, n, total - n, padded, scale / math.log(2), lib.workers, omp,
-               scratch.data_ptr())
+        kernel(ctl=lib.control, q=q, qstride=q.stride(0), kt=keys_t, v=values, out=out, pheads=heads,
+               pkvheads=kv_heads, tq=n, prefix=total - n, tpad=padded, scale2=scale / math.log(2), workers=lib.workers,
+               threads=omp, scratch=scratch)
     return out
 
 
@@ -549,8 +555,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> t
     y = torch.empty_like(x)
     lib = library()
     with running(lib) as omp:
-        lib.rotate(lib.control_address, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), d, x.shape[1], rot,
-                   x.numel() // d, lib.workers, omp)
+        lib.rotate(ctl=lib.control, x=x, c=cos, s=sin, y=y, dim=d, heads=x.shape[1], rot=rot, rows=x.numel() // d,
+                   workers=lib.workers, threads=omp)
     return y
 
 
@@ -565,7 +571,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     y = gate_up.new_empty((rows, inter))
     lib = library()
     with running(lib) as omp:
-        lib.swiglu(lib.control_address, gate_up.data_ptr(), y.data_ptr(), inter, rows, lib.workers, omp)
+        lib.swiglu(ctl=lib.control, gu=gate_up, y=y, inter=inter, rows=rows, workers=lib.workers, threads=omp)
     return y
 
 
@@ -580,5 +586,5 @@ def write_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> Non
                          f"contiguous, and int64 slots, one a row; got dst {tuple(dst.shape)} {dst.dtype}, src "
                          f"{tuple(src.shape)} {src.dtype}, slots {tuple(slots.shape)} {slots.dtype}")
     width = dst[0].numel() * dst.element_size()
-    library().write_rows(dst.data_ptr(), width, src.data_ptr(), src.stride(0) * src.element_size(), slots.data_ptr(),
-                         src.shape[0], width)
+    library().write_rows(dst=dst, drow=width, src=src, srow=src.stride(0) * src.element_size(), slots=slots,
+                         rows=src.shape[0], width=width)

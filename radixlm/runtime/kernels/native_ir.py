@@ -17,8 +17,10 @@ are one 4-wide multiply. The activations are bf16 or fp32 (the model's dtype), a
 write the same dtype.
 
 A product splits its output rows between the calling thread and `workers` threads that wait in
-`worker` (spinning while a forward pass is marked busy, else asleep on a futex): one call per
-product, no Python between the parts.
+`worker` (spinning while a forward pass is marked busy, else asleep on a futex: thread_pool.py):
+one call per product, no Python between the parts. The structs the kernels read and the exported
+functions' signatures are declared once, in native_abi.py; each exported function is made by
+ir_builder.py, which checks its SSA names as it is generated.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from __future__ import annotations
 import math
 import struct
 
+from radixlm.runtime.kernels import native_abi as abi
+from radixlm.runtime.kernels import thread_pool
+from radixlm.runtime.kernels.ir_builder import FunctionBuilder
+
 CHUNK = 64  # weights per chunk (two blocks of 32)
 MAX_ROWS = 4  # activation rows one call multiplies (each weight chunk read once for all)
 BUSY_ROWS = 32  # steps of up to this many rows on the kernels run as one busy stretch (native.busy)
 CHUNK_BYTES = {4: 40, 8: 72}
-SPIN_BUSY = 200_000  # pause loops a worker spins for the next product while a forward pass is busy
-SPIN_IDLE = 64  # ... and otherwise, before it sleeps
 # a chunk's loads prefetch the weights this many bytes (times the rows an iteration) ahead: on a
 # 2-core Ice Lake the default model's 121 products of a bs1 step took 12.0 instead of 16.5 ms
 # with 2048 (1024-8192 alike), the hardware prefetcher alone not keeping up with short rows
@@ -58,24 +62,24 @@ TILE_HALVES = {"avx512": 1, "avx2": 2}
 # from 512 rows)
 TILE_GROUPS = {"avx512": 1, "avx2": 2}
 
-# the control block (int64 slots; each group on its own cache line)
-SEQ, STOP, BUSY, OMP_PARTS = 0, 8, 9, 10
-JOB = 16  # the posted job: its op, then PRODUCT_FIELDS or ATTENTION_FIELDS
+# the ops of the posted jobs (the control block's job area: native_abi.CONTROL; each op's job struct there)
 PRODUCT, ATTENTION, TILES, QUANTIZE, NORM, PREFILL, ROTATE, SWIGLU, PREFILL_BF16, LAYOUT = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9
-PRODUCT_FIELDS = ("op", "desci", "m", "yi", "parts")
-TILE_FIELDS = ("op", "desci", "mpad", "yi", "parts", "taqi", "tasci")
-QUANTIZE_FIELDS = ("op", "xi", "qaqi", "qasci", "parts", "chunks", "f32")
 NORM_ALONE = 16  # an RMSNorm of fewer rows runs on the calling thread alone
 ROTATE_ALONE = 64  # a rotation of fewer (token, head) rows runs on the calling thread alone
 SWIGLU_ALONE = 8  # a SwiGLU of fewer rows runs on the calling thread alone
-DESC_FIELDS = ("bits", "wi", "aqi", "asci", "n", "nch", "f32")  # a matrix's descriptor (int64s)
+DESC_FIELDS = abi.DESCRIPTOR.names  # a matrix's descriptor (int64s)
 ISAS = ("avx512", "avx2")  # the instruction sets the products are written for
 ACTS = ("bf16", "f32")  # the activation dtypes they take and write
-ATTENTION_FIELDS = ("op", "qi", "qstride", "kvi", "kvstride", "idxi", "maxkv", "lensi", "outi", "items", "heads",
-                    "kvheads", "scalebits", "scratchi", "sstride", "parts", "dim", "f32")
 HEAD_DIMS = (64, 128)  # the head sizes the decode attention is compiled for
-DONE = 48  # + 8 * worker: the last job done; + 1: asleep
-CONTROL_SLOTS = DONE + 8 * 64
+_TYPES = frozenset(s.ir_name for s in abi.STRUCTS)  # the struct types' names, for the builder's checks
+
+
+def _exported(function: abi.Function, body: str) -> str:
+    """An exported function: its `define` line from its declaration (native_abi), then `body`
+    (from its first label to its last instruction), its SSA names checked (ir_builder)."""
+    b = FunctionBuilder(function, _TYPES)
+    b.emit(body)
+    return "\n" + b.text()
 
 
 def _splat(t: str, n: int, v: int | str) -> str:
@@ -104,7 +108,6 @@ declare <32 x float> @llvm.fabs.v32f32(<32 x float>)
 declare float @llvm.vector.reduce.fmax.v32f32(<32 x float>)
 declare <32 x float> @llvm.rint.v32f32(<32 x float>)
 declare i32 @llvm.vector.reduce.add.v32i32(<32 x i32>)
-declare void @llvm.x86.sse2.pause()
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare float @llvm.maxnum.f32(float, float)
 declare float @llvm.floor.f32(float)
@@ -112,7 +115,6 @@ declare float @llvm.sqrt.f32(float)
 declare <16 x float> @llvm.maxnum.v16f32(<16 x float>, <16 x float>)
 declare <16 x float> @llvm.rint.v16f32(<16 x float>)
 declare <16 x float> @llvm.fabs.v16f32(<16 x float>)
-declare i64 @syscall(i64, ...)
 declare i64 @llvm.umin.i64(i64, i64)
 declare i64 @llvm.umax.i64(i64, i64)
 declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
@@ -573,13 +575,11 @@ def _tiles_part() -> str:
     cases = " ".join(f"i64 {f32 * 1000 + bits}, label %{act}b{bits}" for f32, act, bits in kinds)
     blocks = "\n".join(f"{act}b{bits}:\n  call void @tile_{act}_{bits}(ptr %w, ptr %aq, ptr %asc, ptr %y, i64 %t0, "
                        "i64 %t1, i64 %mpad, i64 %nch, i64 %n)\n  br label %exit" for f32, act, bits in kinds)
-    return f"""
-define void @tiles_part(ptr %ctl, i64 %index) {{
-entry:
-{_loads("ctl", JOB, TILE_FIELDS)}
+    return _exported(abi.part("tiles"), f"""entry:
+{_job_loads(abi.TILE_JOB)}
   %desc = inttoptr i64 %desci to ptr
   %y = inttoptr i64 %yi to ptr
-{_loads("desc", 0, DESC_FIELDS)}
+{abi.DESCRIPTOR.load("%desc")}
   %aq = inttoptr i64 %taqi to ptr
   %asc = inttoptr i64 %tasci to ptr
   %w = inttoptr i64 %wi to ptr
@@ -590,12 +590,8 @@ entry:
   switch i64 %kind, label %exit [ {cases} ]
 {blocks}
 exit:
-  ret void
-}}
-
-define void @quantize_part(ptr %ctl, i64 %index) {{
-entry:
-{_loads("ctl", JOB, QUANTIZE_FIELDS)}
+  ret void""") + _exported(abi.part("quantize"), f"""entry:
+{_job_loads(abi.QUANTIZE_JOB)}
 {_share("chunks", "c0", "c1")}
   %b0 = shl i64 %c0, 1
   %count = sub i64 %c1, %c0
@@ -620,22 +616,14 @@ qbf16:
   %xa2 = add i64 %xi, %x2
   %xp2 = inttoptr i64 %xa2 to ptr
   call void @quantize_bf16(ptr %xp2, ptr %aq, ptr %asc, i64 %blocks)
-  ret void
-}}
-
-define void @tiles(ptr %ctl, ptr %desc, ptr %x, ptr %y, i64 %m, i64 %mpad, i64 %workers, ptr %aq, ptr %asc,
-                   i64 %omp) {{
-entry:
-  %nchp = getelementptr i64, ptr %desc, i64 5
-  %nch = load i64, ptr %nchp, align 8
-  %f32p = getelementptr i64, ptr %desc, i64 6
-  %f32 = load i64, ptr %f32p, align 8
+  ret void""") + _exported(abi.TILES, f"""entry:
+{abi.DESCRIPTOR.load("%desc", ("nch", "f32"))}
   %chunks = mul i64 %m, %nch
 {_parts("%omp")}
   %xi = ptrtoint ptr %x to i64
   %qaqi = ptrtoint ptr %aq to i64
   %qasci = ptrtoint ptr %asc to i64
-{_post(QUANTIZE, QUANTIZE_FIELDS)}
+{_post(QUANTIZE, abi.QUANTIZE_JOB)}
   call void @run_on(ptr %ctl, i64 %workers, i64 %omp)
   %k = shl i64 %nch, 6
   %extra = sub i64 %mpad, %m
@@ -653,68 +641,9 @@ entry:
   %yi = ptrtoint ptr %y to i64
   %taqi = ptrtoint ptr %aq to i64
   %tasci = ptrtoint ptr %asc to i64
-{_post(TILES, TILE_FIELDS)}
+{_post(TILES, abi.TILE_JOB)}
   call void @run_on(ptr %ctl, i64 %workers, i64 %omp)
-  ret void
-}}
-"""
-
-
-def _run_on(omp: bool) -> str:
-    """run_on(ctl, workers, threads): run the posted job on our workers (threads 0), or on the
-    `threads` of the OpenMP pool that torch's own ops run on (`omp`: the module was given
-    libgomp's GOMP_parallel; otherwise always our workers). Between torch's ops the pool's threads
-    spin for their next region, so a job on our workers would share the cores with them; on the
-    pool itself each part takes the thread numbers it is given, whatever the pool's size."""
-    if not omp:
-        return """
-define void @run_on(ptr %ctl, i64 %workers, i64 %threads) {
-entry:
-  call void @run_job(ptr %ctl, i64 %workers)
-  ret void
-}
-"""
-    return """
-declare void @GOMP_parallel(ptr, ptr, i32, i32)
-declare i32 @omp_get_thread_num()
-declare i32 @omp_get_num_threads()
-
-define internal void @omp_parts(ptr %ctl) {
-entry:
-  %partsp = getelementptr i64, ptr %ctl, i64 """ + str(OMP_PARTS) + """
-  %parts = load i64, ptr %partsp, align 8
-  %t = call i32 @omp_get_thread_num()
-  %nt = call i32 @omp_get_num_threads()
-  %first = zext i32 %t to i64
-  %step = zext i32 %nt to i64
-  br label %loop
-loop:
-  %i = phi i64 [%first, %entry], [%i.next, %body]
-  %go = icmp ult i64 %i, %parts
-  br i1 %go, label %body, label %exit
-body:
-  call void @part(ptr %ctl, i64 %i)
-  %i.next = add i64 %i, %step
-  br label %loop
-exit:
-  ret void
-}
-
-define void @run_on(ptr %ctl, i64 %workers, i64 %threads) {
-entry:
-  %inomp = icmp ne i64 %threads, 0
-  br i1 %inomp, label %omp, label %ours
-omp:
-  %partsp = getelementptr i64, ptr %ctl, i64 """ + str(OMP_PARTS) + """
-  store i64 %threads, ptr %partsp, align 8
-  %n = trunc i64 %threads to i32
-  call void @GOMP_parallel(ptr @omp_parts, ptr %ctl, i32 %n, i32 0)
-  ret void
-ours:
-  call void @run_job(ptr %ctl, i64 %workers)
-  ret void
-}
-"""
+  ret void""")
 
 
 def _norm() -> str:
@@ -756,8 +685,7 @@ scale:
   %i.next = add i64 %i, 16
   %imore = icmp ult i64 %i.next, %k
   br i1 %imore, label %scale, label %rowdone"""
-    return _row_job("rms_norm", NORM, (("x", "ptr"), ("w", "ptr"), ("y", "ptr"), ("k", "i64"), ("eps", "float")),
-                    NORM_ALONE, "  %kf = uitofp i64 %k to float", row)
+    return _row_job(abi.RMS_NORM, NORM, NORM_ALONE, "  %kf = uitofp i64 %k to float", row)
 
 
 PREFILL_ROWS = 8  # query rows (positions of one head) a native prompt-attention item takes
@@ -767,8 +695,6 @@ PREFILL_ROWS = 8  # query rows (positions of one head) a native prompt-attention
 PREFILL_ROW_PAD = 16
 # floats of a part's scratch after its score rows: the bf16 form's item's queries, rounded once an item
 PREFILL_Q_SCRATCH = PREFILL_ROWS * 64 // 2
-PREFILL_FIELDS = ("op", "pqi", "qstride", "kti", "parts", "pvi", "pouti", "pheads", "pkvheads", "tq", "prefix",
-                  "tpad", "scalebits", "pscri")
 
 
 def _exp2v(src: str, dst: str, lanes: int = 16) -> list[str]:
@@ -839,9 +765,8 @@ def _prefill(isa: str, bf16: bool = False) -> str:
     chains = 2 if halves == 1 else 1  # independent sums a (row, vector) in a pass over a block
     neg = _splat("float", n, _f32(-3.0e38))
     fma, last_scored = f"@llvm.fma.v{n}f32", f"scored{len(score_groups) - 1}"
-    out = [f"define void @prefill{sfx}_part(ptr %ctl, i64 %index) {{",
-           "entry:",
-           _loads("ctl", JOB, PREFILL_FIELDS),
+    out = ["entry:",
+           _job_loads(abi.PREFILL_JOB),
            "  %q = inttoptr i64 %pqi to ptr",
            "  %kt = inttoptr i64 %kti to ptr",
            "  %vv = inttoptr i64 %pvi to ptr",
@@ -1067,14 +992,8 @@ def _prefill(isa: str, bf16: bool = False) -> str:
             "  %imore = icmp ult i64 %it.next, %items",
             "  br i1 %imore, label %item, label %exit",
             "exit:",
-            "  ret void",
-            "}",
-            "",
-            f"define void @prefill{sfx}(ptr %ctl, ptr %q, i64 %qstride, ptr %kt, ptr %v, ptr %out, i64 %pheads, "
-            "i64 %pkvheads,",
-            "                     i64 %tq, i64 %prefix, i64 %tpad, float %scale2, i64 %workers, i64 %threads,",
-            "                     ptr %scratch) {",
-            "entry:",
+            "  ret void"]
+    post = ["entry:",
             _parts(),
             "  %pqi = ptrtoint ptr %q to i64",
             "  %kti = ptrtoint ptr %kt to i64",
@@ -1083,14 +1002,12 @@ def _prefill(isa: str, bf16: bool = False) -> str:
             "  %pscri = ptrtoint ptr %scratch to i64",
             "  %sb32 = bitcast float %scale2 to i32",
             "  %scalebits = zext i32 %sb32 to i64",
-            _post(PREFILL_BF16 if bf16 else PREFILL, PREFILL_FIELDS),
+            _post(PREFILL_BF16 if bf16 else PREFILL, abi.PREFILL_JOB),
             "  call void @run_on(ptr %ctl, i64 %workers, i64 %threads)",
-            "  ret void",
-            "}"]
-    return "\n".join(out) + "\n"
+            "  ret void"]
+    return (_exported(abi.part(f"prefill{sfx}"), "\n".join(out))
+            + _exported(abi.PREFILL_BF16 if bf16 else abi.PREFILL, "\n".join(post)))
 
-LAYOUT_FIELDS = ("op", "ksi", "vsi", "kstride", "vstride", "idxi", "n", "padded", "kvh", "kti", "vvi", "isbf16",
-                 "parts")
 
 
 def _layout(bf16: bool) -> str:
@@ -1179,13 +1096,12 @@ def _layout(bf16: bool) -> str:
         b16.append("  br label %itemdone")
     pick = ("  %wantbf = icmp ne i64 %isbf16, 0\n  br i1 %wantbf, label %kbf, label %kf32" if bf16
             else "  br label %kf32")
-    return f"""
+    return """
 declare <16 x float> @llvm.masked.gather.v16f32.v16p0(<16 x ptr>, i32, <16 x i1>, <16 x float>)
 declare <16 x i64> @llvm.masked.gather.v16i64.v16p0(<16 x ptr>, i32, <16 x i1>, <16 x i64>)
 
-define void @layout_part(ptr %ctl, i64 %index) {{
-entry:
-{_loads("ctl", JOB, LAYOUT_FIELDS)}
+""" + _exported(abi.part("layout"), f"""entry:
+{_job_loads(abi.LAYOUT_JOB)}
 {_pointers("ks", "vs", "idx", "kt", "vv")}
   %nb = lshr i64 %padded, 4
   %items = mul i64 %kvh, %nb
@@ -1211,29 +1127,18 @@ itemdone:
   %imore = icmp ult i64 %it.next, %i1
   br i1 %imore, label %item, label %exit
 exit:
-  ret void
-}}
-
-define void @layout(ptr %ctl, ptr %ks, ptr %vs, i64 %kstride, i64 %vstride, ptr %idx, i64 %n, i64 %padded, i64 %kvh,
-                    ptr %kt, ptr %vv, i64 %isbf16, i64 %workers, i64 %threads) {{
-entry:
+  ret void""") + _exported(abi.LAYOUT, f"""entry:
 {_parts()}
 {_addresses("ks", "vs", "idx", "kt", "vv")}
-{_post(LAYOUT, LAYOUT_FIELDS)}
+{_post(LAYOUT, abi.LAYOUT_JOB)}
   call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
-  ret void
-}}
-"""
+  ret void""")
 
 
 def _write_rows() -> str:
     """write_rows(dst, drow, src, srow, slots, rows, width): copy row t of src (rows `srow` bytes
     apart) to row slots[t] of dst (rows `drow` bytes apart), `width` bytes each, on this thread."""
-    return """
-declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
-
-define void @write_rows(ptr %dst, i64 %drow, ptr %src, i64 %srow, ptr %slots, i64 %rows, i64 %width) {
-entry:
+    return "\ndeclare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)\n" + _exported(abi.WRITE_ROWS, """entry:
   %none = icmp eq i64 %rows, 0
   br i1 %none, label %exit, label %row
 row:
@@ -1249,9 +1154,7 @@ row:
   %more = icmp ult i64 %t.next, %rows
   br i1 %more, label %row, label %exit
 exit:
-  ret void
-}
-"""
+  ret void""")
 
 
 def _swiglu() -> str:
@@ -1285,8 +1188,7 @@ col:
   %i.next = add i64 %i, 16
   %more = icmp ult i64 %i.next, %inter
   br i1 %more, label %col, label %rowdone"""
-    return _row_job("swiglu", SWIGLU, (("gu", "ptr"), ("y", "ptr"), ("inter", "i64")), SWIGLU_ALONE,
-                    "  %width = shl i64 %inter, 1", row)
+    return _row_job(abi.SWIGLU, SWIGLU, SWIGLU_ALONE, "  %width = shl i64 %inter, 1", row)
 
 
 def _rotate() -> str:
@@ -1329,19 +1231,10 @@ def _rotate() -> str:
                     f"  %y{dim}_{i}.p = getelementptr float, ptr %yr, i64 {16 * i}",
                     f"  store {v} %o{dim}_{i}, ptr %y{dim}_{i}.p, align 4"]
         out.append("  br label %rowdone")
-    return _row_job("rotate", ROTATE, (("x", "ptr"), ("c", "ptr"), ("s", "ptr"), ("y", "ptr"), ("dim", "i64"),
-                                       ("heads", "i64"), ("rot", "i64")),
-                    ROTATE_ALONE, "  %wide = icmp eq i64 %dim, 128", "\n".join(out))
+    return _row_job(abi.ROTATE, ROTATE, ROTATE_ALONE, "  %wide = icmp eq i64 %dim, 128", "\n".join(out))
 
 
-# a CPU decode step of the whole model's layers in one call (`decode_layers`): the step's buffers and
-# shapes, then per layer its four products' descriptors, its norms' weights and eps, its pool layer
-STEP_FIELDS = ("m", "residual", "x", "qkv", "rot", "att", "o", "gu", "act", "h", "cos", "sin", "slots", "idx",
-               "maxkv", "lens", "heads", "kvheads", "d", "hidden", "inter", "scalebits", "scratch", "sstride",
-               "workers", "layers", "count", "mpad", "tvals", "tscales")
-# (a product's tiled descriptor is 0 where it has none: the fused step then has at most MAX_ROWS rows)
-LAYER_FIELDS = ("qkvdesc", "odesc", "gudesc", "downdesc", "norm1", "norm2", "eps1bits", "eps2bits", "kvlayer",
-                "qkvtiles", "otiles", "gutiles", "downtiles")
+STEP_FIELDS, LAYER_FIELDS = abi.STEP.names, abi.LAYER.names  # a decode step's struct, and a layer's
 _STEP_POINTERS = ("residual", "x", "qkv", "rot", "att", "o", "gu", "act", "h", "cos", "sin", "slots", "idx", "lens",
                   "scratch", "layers", "tvals", "tscales")
 
@@ -1357,6 +1250,10 @@ def _decode_layers(tiled: bool) -> str:
     `add_rows(x, y, n)`: x += y over n floats."""
     v = "<16 x float>"
     step = "\n".join(f"  %{name}.s = inttoptr i64 %{name} to ptr" for name in _STEP_POINTERS)
+
+    def norm(weight: str, eps: str) -> str:
+        return abi.RMS_NORM.call(dict(ctl="%ctl", x="%residual.s", w=weight, y="%x.s", k="%hidden", eps=eps, rows="%m",
+                                      workers="%workers", threads="0"))
     return f"""
 define internal void @add_rows(ptr %x, ptr %y, i64 %n) {{
 entry:
@@ -1386,17 +1283,17 @@ entry:
   br i1 %rows, label %rowk, label %tiled
 rowk:
   %rd = inttoptr i64 %rowdesc to ptr
-  call void @product(ptr %ctl, ptr %rd, ptr %x, ptr %y, i64 %m, i64 %workers)
+{abi.PRODUCT.call(dict(ctl="%ctl", desc="%rd", x="%x", y="%y", m="%m", workers="%workers"))}
   ret void
 tiled:
 {"  %td = inttoptr i64 %tiledesc to ptr" if tiled else ""}
-{"  call void @tiles(ptr %ctl, ptr %td, ptr %x, ptr %y, i64 %m, i64 %mpad, i64 %workers, ptr %tvals, ptr %tscales, i64 0)" if tiled else ""}
+{abi.TILES.call(dict(ctl="%ctl", desc="%td", x="%x", y="%y", m="%m", mpad="%mpad", workers="%workers", aq="%tvals",
+                     asc="%tscales", omp="0")) if tiled else ""}
   ret void
 }}
 
-define void @decode_layers(ptr %ctl, ptr %step) {{
-entry:
-{_loads("step", 0, STEP_FIELDS)}
+""" + _exported(abi.DECODE_LAYERS, f"""entry:
+{abi.STEP.load("%step")}
 {step}
   %s32 = trunc i64 %scalebits to i32
   %scale = bitcast i32 %s32 to float
@@ -1416,9 +1313,8 @@ entry:
   br i1 %none, label %exit, label %layer
 layer:
   %l = phi i64 [0, %entry], [%l.next, %layer]
-  %lo = mul i64 %l, {len(LAYER_FIELDS)}
-  %ld = getelementptr i64, ptr %layers.s, i64 %lo
-{_loads("ld", 0, LAYER_FIELDS)}
+  %ld = getelementptr {abi.LAYER.ir_name}, ptr %layers.s, i64 %l
+{abi.LAYER.load("%ld")}
   %norm1.p2 = inttoptr i64 %norm1 to ptr
   %norm2.p2 = inttoptr i64 %norm2 to ptr
   %kv = inttoptr i64 %kvlayer to ptr
@@ -1429,42 +1325,41 @@ layer:
   %first = icmp eq i64 %l, 0
   %addn = select i1 %first, i64 0, i64 %mh
   call void @add_rows(ptr %residual.s, ptr %h.s, i64 %addn)
-  call void @rms_norm(ptr %ctl, ptr %residual.s, ptr %norm1.p2, ptr %x.s, i64 %hidden, float %eps1, i64 %m,
-                      i64 %workers, i64 0)
+{norm("%norm1.p2", "%eps1")}
   call void @matmul(ptr %ctl, i64 %qkvdesc, i64 %qkvtiles, ptr %x.s, ptr %qkv.s, i64 %m, i64 %mpad, i64 %workers,
                     ptr %tvals.s, ptr %tscales.s)
-  call void @rotate(ptr %ctl, ptr %qkv.s, ptr %cos.s, ptr %sin.s, ptr %rot.s, i64 %d, i64 %allheads2, i64 %allheads,
-                    i64 %rotrows, i64 %workers, i64 0)
-  call void @write_rows(ptr %kv, i64 %kvbytes, ptr %krot, i64 %rowbytes, ptr %slots.s, i64 %m, i64 %kvbytes)
-  call void @attention(ptr %ctl, ptr %rot.s, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx.s, i64 %maxkv,
-                       ptr %lens.s, ptr %att.s, i64 %items, i64 %heads, i64 %kvheads, float %scale, ptr %scratch.s,
-                       i64 %sstride, i64 %workers, i64 %d, i64 1)
+{abi.ROTATE.call(dict(ctl="%ctl", x="%qkv.s", c="%cos.s", s="%sin.s", y="%rot.s", dim="%d", heads="%allheads2",
+                       rot="%allheads", rows="%rotrows", workers="%workers", threads="0"))}
+{abi.WRITE_ROWS.call(dict(dst="%kv", drow="%kvbytes", src="%krot", srow="%rowbytes", slots="%slots.s", rows="%m",
+                          width="%kvbytes"))}
+{abi.ATTENTION.call(dict(ctl="%ctl", q="%rot.s", qstride="%qstride", kv="%kv", kvstride="%kvstride", idx="%idx.s",
+                         maxkv="%maxkv", lens="%lens.s", out="%att.s", items="%items", heads="%heads",
+                         kvheads="%kvheads", scale="%scale", scratch="%scratch.s", sstride="%sstride",
+                         workers="%workers", dim="%d", f32="1"))}
   call void @matmul(ptr %ctl, i64 %odesc, i64 %otiles, ptr %att.s, ptr %o.s, i64 %m, i64 %mpad, i64 %workers,
                     ptr %tvals.s, ptr %tscales.s)
   call void @add_rows(ptr %residual.s, ptr %o.s, i64 %mh)
-  call void @rms_norm(ptr %ctl, ptr %residual.s, ptr %norm2.p2, ptr %x.s, i64 %hidden, float %eps2, i64 %m,
-                      i64 %workers, i64 0)
+{norm("%norm2.p2", "%eps2")}
   call void @matmul(ptr %ctl, i64 %gudesc, i64 %gutiles, ptr %x.s, ptr %gu.s, i64 %m, i64 %mpad, i64 %workers,
                     ptr %tvals.s, ptr %tscales.s)
-  call void @swiglu(ptr %ctl, ptr %gu.s, ptr %act.s, i64 %inter, i64 %m, i64 %workers, i64 0)
+{abi.SWIGLU.call(dict(ctl="%ctl", gu="%gu.s", y="%act.s", inter="%inter", rows="%m", workers="%workers", threads="0"))}
   call void @matmul(ptr %ctl, i64 %downdesc, i64 %downtiles, ptr %act.s, ptr %h.s, i64 %m, i64 %mpad, i64 %workers,
                     ptr %tvals.s, ptr %tscales.s)
   %l.next = add i64 %l, 1
   %more = icmp ult i64 %l.next, %count
   br i1 %more, label %layer, label %exit
 exit:
-  ret void
-}}
-"""
+  ret void""")
 
 
-def _row_job(name: str, op: int, params: tuple[tuple[str, str], ...], alone: int, setup: str, row: str) -> str:
+def _row_job(function: abi.Function, op: int, alone: int, setup: str, row: str) -> str:
     """@{name}_rows(<params>, r0, r1): `row`'s IR for each row %r of r0..r1 (from label `row`, it
     ends by branching to %rowdone; `setup` runs once before); {name}(ctl, <params>, rows, workers,
     threads) and {name}_part(ctl, index): those rows split between the parts (`run_on`), or on the
-    caller alone below `alone` rows. A param is (its name, ptr / i64 / float); the job holds each
-    as an i64."""
-    fields = ("op", *(f"f_{p}" for p, _ in params), "parts", "rows")
+    caller alone below `alone` rows. The params are `function`'s (native_abi.row_params: ptr, i64
+    or float); its job (native_abi.row_job) holds each as an i64."""
+    name, job = function.name, abi.row_job(function)
+    params = tuple((p.name, p.ir_type) for p in abi.row_params(function))
     unpack = {"ptr": "  %{p} = inttoptr i64 %f_{p} to ptr",
               "i64": "  %{p} = add i64 %f_{p}, 0",
               "float": "  %{p}.t = trunc i64 %f_{p} to i32\n  %{p} = bitcast i32 %{p}.t to float"}
@@ -1489,17 +1384,12 @@ exit:
   ret void
 }}
 
-define void @{name}_part(ptr %ctl, i64 %index) {{
-entry:
-{_loads("ctl", JOB, fields)}
+""" + _exported(abi.part(name), f"""entry:
+{_job_loads(job)}
 {chr(10).join(unpack[kind].format(p=p) for p, kind in params)}
 {_share("rows", "r0", "r1")}
   call void @{name}_rows({signature}, i64 %r0, i64 %r1)
-  ret void
-}}
-
-define void @{name}(ptr %ctl, {signature}, i64 %rows, i64 %workers, i64 %threads) {{
-entry:
+  ret void""") + _exported(function, f"""entry:
   %alone = icmp ult i64 %rows, {alone}
   br i1 %alone, label %here, label %shared
 here:
@@ -1508,16 +1398,14 @@ here:
 shared:
 {_parts()}
 {chr(10).join(pack[kind].format(p=p) for p, kind in params)}
-{_post(op, fields)}
+{_post(op, job)}
   call void @run_on(ptr %ctl, i64 %workers, i64 %threads)
-  ret void
-}}
-"""
+  ret void""")
 
 
-def _loads(base: str, offset: int, names: tuple[str, ...]) -> str:
-    return "\n".join(f"  %{name}.p = getelementptr i64, ptr %{base}, i64 {offset + i}\n"
-                     f"  %{name} = load i64, ptr %{name}.p, align 8" for i, name in enumerate(names))
+def _job_loads(job: abi.Struct) -> str:
+    """%name: each field of the posted `job`, loaded from the control block's job area."""
+    return abi.CONTROL.gep("jobarea", "%ctl", "job", "i64 0") + "\n" + job.load("%jobarea")
 
 
 def _pointers(*names: str) -> str:
@@ -1536,12 +1424,11 @@ def _parts(threads: str = "%threads") -> str:
             f"  %parts = select i1 %inomp, i64 {threads}, i64 %ours")
 
 
-def _post(op: int, names: tuple[str, ...]) -> str:
-    """Store a job into the control block: `op`, then the caller's values %name of the other
-    fields, in the order the part functions load them (`_loads`)."""
-    values = [str(op)] + [f"%{name}" for name in names[1:]]
-    return "\n".join(f"  %job{op}_{i}.p = getelementptr i64, ptr %ctl, i64 {JOB + i}\n"
-                     f"  store i64 {v}, ptr %job{op}_{i}.p, align 8" for i, v in enumerate(values))
+def _post(op: int, job: abi.Struct) -> str:
+    """Store a `job` into the control block's job area: `op`, then the caller's values %name of
+    its other fields."""
+    values = {"op": str(op), **{name: f"%{name}" for name in job.names[1:]}}
+    return abi.CONTROL.gep(f"jobarea{op}", "%ctl", "job", "i64 0") + "\n" + job.store(f"%jobarea{op}", values, f"job{op}_")
 
 
 def _share(total: str, first: str, last: str) -> str:
@@ -1561,13 +1448,11 @@ def _product_part() -> str:
                 cases.append(f"i64 {f32 * 1000 + bits * 8 + m}, label %{label}")
                 blocks.append(f"{label}:\n  call void @rows_{act}_{bits}_{m}(ptr %w, ptr %aq, ptr %asc, ptr %y, "
                               "i64 %n0, i64 %n1, i64 %nch, i64 %n)\n  br label %exit")
-    return f"""
-define void @product_part(ptr %ctl, i64 %index) {{
-entry:
-{_loads("ctl", JOB, PRODUCT_FIELDS)}
+    return _exported(abi.part("product"), f"""entry:
+{_job_loads(abi.PRODUCT_JOB)}
   %desc = inttoptr i64 %desci to ptr
   %y = inttoptr i64 %yi to ptr
-{_loads("desc", 0, DESC_FIELDS)}
+{abi.DESCRIPTOR.load("%desc")}
   %w = inttoptr i64 %wi to ptr
   %aq = inttoptr i64 %aqi to ptr
   %asc = inttoptr i64 %asci to ptr
@@ -1579,120 +1464,16 @@ entry:
   switch i64 %kind, label %exit [ {" ".join(cases)} ]
 {chr(10).join(blocks)}
 exit:
-  ret void
-}}
-"""
+  ret void""")
 
 
-def _threads(tiles: bool, prefill: bool, bf16: bool) -> str:
-    """worker(ctl, i): run part i + 1 of each job until `stop` (every job since the control block
-    was zeroed: a worker that starts after the first job was posted still runs it); run_job: post
-    a job, run part 0, wait for the workers. `tiles`: the module has the tiled products;
-    `prefill`: the prompt attention; `bf16`: its bf16 form too."""
-    cases = (f"i64 {NORM}, label %rms_norm i64 {ROTATE}, label %rotate i64 {SWIGLU}, label %swiglu "
-             + (f"i64 {TILES}, label %tiles i64 {QUANTIZE}, label %quantize " if tiles else "")
-             + (f"i64 {PREFILL}, label %prefill i64 {LAYOUT}, label %layout " if prefill else "")
-             + (f"i64 {PREFILL_BF16}, label %prefill_bf16 " if bf16 else ""))
-    blocks = ("rms_norm:\n  call void @rms_norm_part(ptr %ctl, i64 %index)\n  ret void\n"
-              "rotate:\n  call void @rotate_part(ptr %ctl, i64 %index)\n  ret void\n"
-              "swiglu:\n  call void @swiglu_part(ptr %ctl, i64 %index)\n  ret void\n"
-              + ("tiles:\n  call void @tiles_part(ptr %ctl, i64 %index)\n  ret void\n"
-                 "quantize:\n  call void @quantize_part(ptr %ctl, i64 %index)\n  ret void\n" if tiles else "")
-              + ("prefill:\n  call void @prefill_part(ptr %ctl, i64 %index)\n  ret void\n"
-                 "layout:\n  call void @layout_part(ptr %ctl, i64 %index)\n  ret void\n" if prefill else "")
-              + ("prefill_bf16:\n  call void @prefill_bf16_part(ptr %ctl, i64 %index)\n  ret void\n" if bf16 else ""))
-    return f"""
-define void @worker(ptr %ctl, i64 %i) {{
-entry:
-  %seqp = getelementptr i64, ptr %ctl, i64 {SEQ}
-  %stopp = getelementptr i64, ptr %ctl, i64 {STOP}
-  %busyp = getelementptr i64, ptr %ctl, i64 {BUSY}
-  %slot = mul i64 %i, 8
-  %donei = add i64 %slot, {DONE}
-  %donep = getelementptr i64, ptr %ctl, i64 %donei
-  %sleepp = getelementptr i64, ptr %donep, i64 1
-  %part = add i64 %i, 1
-  br label %wait
-wait:
-  %seen = phi i64 [0, %entry], [%seen, %spin], [%seen, %woke], [%s, %ran]
-  %spins = phi i64 [0, %entry], [%spins.next, %spin], [0, %woke], [0, %ran]
-  %s = load atomic i64, ptr %seqp acquire, align 8
-  %stop = load atomic i64, ptr %stopp monotonic, align 8
-  %stopping = icmp ne i64 %stop, 0
-  br i1 %stopping, label %exit, label %check
-check:
-  %new = icmp ne i64 %s, %seen
-  br i1 %new, label %run, label %idle
-idle:
-  %busy = load atomic i64, ptr %busyp monotonic, align 8
-  %isbusy = icmp ne i64 %busy, 0
-  %limit = select i1 %isbusy, i64 {SPIN_BUSY}, i64 {SPIN_IDLE}
-  %keep = icmp ult i64 %spins, %limit
-  br i1 %keep, label %spin, label %sleep
-spin:
-  call void @llvm.x86.sse2.pause()
-  %spins.next = add i64 %spins, 1
-  br label %wait
-sleep:
-  store atomic i64 1, ptr %sleepp seq_cst, align 8
-  %s2 = load atomic i64, ptr %seqp seq_cst, align 8
-  %changed = icmp ne i64 %s2, %seen
-  br i1 %changed, label %woke, label %block
-block:
-  %expect = and i64 %seen, 4294967295
-  %ignored = call i64 (i64, ...) @syscall(i64 202, ptr %seqp, i64 128, i64 %expect, ptr null)
-  br label %woke
-woke:
-  store atomic i64 0, ptr %sleepp seq_cst, align 8
-  br label %wait
-run:
-  call void @part(ptr %ctl, i64 %part)
-  store atomic i64 %s, ptr %donep release, align 8
-  br label %ran
-ran:
-  br label %wait
-exit:
-  ret void
-}}
-
-define void @wake(ptr %ctl, i64 %workers) {{
-entry:
-  %seqp = getelementptr i64, ptr %ctl, i64 {SEQ}
-  fence seq_cst
-  br label %loop
-loop:
-  %i = phi i64 [0, %entry], [%i.next, %next]
-  %go = icmp ult i64 %i, %workers
-  br i1 %go, label %body, label %exit
-body:
-  %slot = mul i64 %i, 8
-  %sl = add i64 %slot, {DONE + 1}
-  %sleepp = getelementptr i64, ptr %ctl, i64 %sl
-  %asleep = load atomic i64, ptr %sleepp seq_cst, align 8
-  %isasleep = icmp ne i64 %asleep, 0
-  br i1 %isasleep, label %futex, label %next
-futex:
-  %ignored = call i64 (i64, ...) @syscall(i64 202, ptr %seqp, i64 129, i64 2147483647)
-  br label %exit
-next:
-  %i.next = add i64 %i, 1
-  br label %loop
-exit:
-  ret void
-}}
-
-define void @product(ptr %ctl, ptr %desc, ptr %x, ptr %y, i64 %m, i64 %workers) {{
-entry:
-  %aqp = getelementptr i64, ptr %desc, i64 2
-  %aqi = load i64, ptr %aqp, align 8
+def _product_attention() -> str:
+    """product(ctl, desc, x, y, m, workers): the activations quantized on this thread, the product
+    posted (`product_part`); attention(ctl, q, ...): the decode attention posted (`attention_part`)."""
+    product = f"""entry:
+{abi.DESCRIPTOR.load("%desc", ("aqi", "asci", "nch", "f32"))}
   %aq = inttoptr i64 %aqi to ptr
-  %ascp = getelementptr i64, ptr %desc, i64 3
-  %asci = load i64, ptr %ascp, align 8
   %asc = inttoptr i64 %asci to ptr
-  %nchp = getelementptr i64, ptr %desc, i64 5
-  %nch = load i64, ptr %nchp, align 8
-  %f32p = getelementptr i64, ptr %desc, i64 6
-  %f32 = load i64, ptr %f32p, align 8
   %blocks0 = mul i64 %m, %nch
   %blocks = shl i64 %blocks0, 1
   %isf32 = icmp ne i64 %f32, 0
@@ -1707,74 +1488,18 @@ post:
   %parts = add i64 %workers, 1
   %desci = ptrtoint ptr %desc to i64
   %yi = ptrtoint ptr %y to i64
-{_post(PRODUCT, PRODUCT_FIELDS)}
+{_post(PRODUCT, abi.PRODUCT_JOB)}
   call void @run_job(ptr %ctl, i64 %workers)
-  ret void
-}}
-
-define void @attention(ptr %ctl, ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, ptr %idx, i64 %maxkv, ptr %lens,
-                       ptr %out, i64 %items, i64 %heads, i64 %kvheads, float %scale, ptr %scratch, i64 %sstride,
-                       i64 %workers, i64 %dim, i64 %f32) {{
-entry:
+  ret void"""
+    attention = f"""entry:
   %parts = add i64 %workers, 1
 {_addresses("q", "kv", "idx", "lens", "out", "scratch")}
   %scale32 = bitcast float %scale to i32
   %scalebits = zext i32 %scale32 to i64
-{_post(ATTENTION, ATTENTION_FIELDS)}
+{_post(ATTENTION, abi.ATTENTION_JOB)}
   call void @run_job(ptr %ctl, i64 %workers)
-  ret void
-}}
-
-define void @part(ptr %ctl, i64 %index) {{
-entry:
-  %opp = getelementptr i64, ptr %ctl, i64 {JOB}
-  %op = load i64, ptr %opp, align 8
-  switch i64 %op, label %attention [ i64 {PRODUCT}, label %product {cases}]
-{blocks}product:
-  call void @product_part(ptr %ctl, i64 %index)
-  ret void
-attention:
-  call void @attention_part(ptr %ctl, i64 %index)
-  ret void
-}}
-
-define void @run_job(ptr %ctl, i64 %workers) {{
-entry:
-  %seqp = getelementptr i64, ptr %ctl, i64 {SEQ}
-  %old = load atomic i64, ptr %seqp monotonic, align 8
-  %seq = add i64 %old, 1
-  %solo = icmp eq i64 %workers, 0
-  br i1 %solo, label %mine, label %post
-post:
-  store atomic i64 %seq, ptr %seqp seq_cst, align 8
-  call void @wake(ptr %ctl, i64 %workers)
-  br label %mine
-mine:
-  call void @part(ptr %ctl, i64 0)
-  br label %join
-join:
-  %i = phi i64 [0, %mine], [%i.next, %joined]
-  %all = icmp uge i64 %i, %workers
-  br i1 %all, label %exit, label %waitone
-waitone:
-  %slot = mul i64 %i, 8
-  %dl = add i64 %slot, {DONE}
-  %donep = getelementptr i64, ptr %ctl, i64 %dl
-  br label %poll
-poll:
-  %d = load atomic i64, ptr %donep acquire, align 8
-  %ok = icmp eq i64 %d, %seq
-  br i1 %ok, label %joined, label %pause
-pause:
-  call void @llvm.x86.sse2.pause()
-  br label %poll
-joined:
-  %i.next = add i64 %i, 1
-  br label %join
-exit:
-  ret void
-}}
-"""
+  ret void"""
+    return _exported(abi.PRODUCT, product) + _exported(abi.ATTENTION, attention)
 
 
 def _f32(value: float) -> str:
@@ -1930,10 +1655,8 @@ def _attention_part() -> str:
     blocks = "\n".join(f"{act}d{d}:\n  call void @attend_{act}_{d}(ptr %q, i64 %qstride, ptr %kv, i64 %kvstride, "
                        "ptr %idx, i64 %maxkv, ptr %lens, ptr %out, i64 %heads, i64 %kvheads, float %scale, ptr %scr, "
                        "i64 %i0, i64 %i1)\n  br label %exit" for f32, act, d in kinds)
-    return f"""
-define void @attention_part(ptr %ctl, i64 %index) {{
-entry:
-{_loads("ctl", JOB, ATTENTION_FIELDS)}
+    return _exported(abi.part("attention"), f"""entry:
+{_job_loads(abi.ATTENTION_JOB)}
 {_pointers("q", "kv", "idx", "lens", "out", "scratch")}
   %scale32 = trunc i64 %scalebits to i32
   %scale = bitcast i32 %scale32 to float
@@ -1945,9 +1668,7 @@ entry:
   switch i64 %kind, label %exit [ {cases} ]
 {blocks}
 exit:
-  ret void
-}}
-"""
+  ret void""")
 
 
 def module_ir(isa: str = "avx512", omp: bool = False, bf16: bool = False) -> str:
@@ -1967,6 +1688,14 @@ def module_ir(isa: str = "avx512", omp: bool = False, bf16: bool = False) -> str
     if bf16:
         prefill += (f"declare <16 x float> {DPBF16}(<16 x float>, <32 x bfloat>, <32 x bfloat>)\n"
                     + _prefill(isa, bf16=True))
-    return (_DOTS[isa] + _HEADER + quantize + rows + _product_part() + attention + tiles + _norm() + _rotate() + _swiglu() + _write_rows()
-            + _decode_layers(bool(tiles))
-            + prefill + _run_on(omp and bool(tiles)) + _threads(bool(tiles), bool(prefill), bf16))
+    parts = {PRODUCT: "product", NORM: "rms_norm", ROTATE: "rotate", SWIGLU: "swiglu"}
+    if tiles:
+        parts |= {TILES: "tiles", QUANTIZE: "quantize"}
+    if prefill:
+        parts |= {PREFILL: "prefill", LAYOUT: "layout"}
+    if bf16:
+        parts |= {PREFILL_BF16: "prefill_bf16"}
+    return (abi.type_definitions() + _DOTS[isa] + _HEADER + thread_pool.DECLARATIONS + quantize + rows
+            + _product_part() + attention + tiles + _norm() + _rotate() + _swiglu() + _write_rows()
+            + _decode_layers(bool(tiles)) + prefill + _product_attention()
+            + thread_pool.module_ir(parts, "attention", omp and bool(tiles), _TYPES))

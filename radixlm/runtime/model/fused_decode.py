@@ -128,5 +128,5 @@ class FusedDecode:
                       "layers": self.layers.data_ptr(), "count": self.layers.shape[0], "mpad": mpad,
                       "tvals": lib.tile_values.data_ptr(), "tscales": lib.tile_scales.data_ptr()}
             step = torch.tensor([fields[f] for f in native_ir.STEP_FIELDS], dtype=torch.int64)
-            lib.decode_layers(lib.control_address, step.data_ptr())
+            lib.decode_layers.addresses(ctl=lib.control_address, step=step.data_ptr())
         return buffers["h"][:m], residual
