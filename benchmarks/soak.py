@@ -46,8 +46,7 @@ from typing import Any
 
 import aiohttp
 
-from radixlm.runtime.server.graceful_stop import graceful_stop
-from radixlm.runtime.server.http_call import http_call
+from radixlm.testing import graceful_stop, http_call
 
 WORDS = ("apple river stone cloud music paper garden window silver orange planet bridge forest "
          "candle engine market winter summer violet harbor lantern meadow pocket rocket").split()

@@ -8,17 +8,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "server"))
-from server_harness import free_port  # noqa: E402
-
-from radixlm.runtime.server.http_call import http_call  # noqa: E402
+from radixlm.testing import free_port, http_call, poll
 
 WORKER = "X-Radixlm-Worker"
 DEADLINE_S = 300.0  # polls give up after this (the machine may be shared and slow); never a sleep
@@ -78,16 +74,6 @@ def raw_call(url: str, method: str, raw: bytes | None = None, headers: dict[str,
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
-
-
-def poll(what: str, fn: Callable[[], Any], deadline_s: float = DEADLINE_S) -> Any:
-    end = time.monotonic() + deadline_s
-    while True:
-        got = fn()
-        if got:
-            return got
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def start_router(args: Sequence[str], healthy_workers: int, api_key: str | None = None) -> Router:

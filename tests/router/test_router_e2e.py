@@ -19,7 +19,7 @@ import pytest
 from router_harness import WORKER, Router, poll, start_router
 from server_harness import read_sse
 
-from radixlm.runtime.server.http_call import http_call
+from radixlm.testing import http_call
 
 pytestmark = pytest.mark.slow
 SYS_A = "You are Captain Hook, a pirate who answers every question with a sea shanty about treasure. "

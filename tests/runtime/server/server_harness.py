@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,8 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from radixlm.runtime.server.graceful_stop import graceful_stop
-from radixlm.runtime.server.http_call import http_call
+from radixlm.testing import free_port, graceful_stop, http_call
 
 START_DEADLINE_S = 180.0
 
@@ -29,12 +27,6 @@ def process_running(pid: int) -> bool:
             return not any(line.startswith("State:") and "Z" in line for line in f)
     except OSError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

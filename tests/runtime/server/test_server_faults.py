@@ -13,12 +13,13 @@ import json
 import os
 import signal
 import socket
-import time
 from typing import Any
 
 import aiohttp
 import pytest
 from server_harness import Server, next_event, process_running, read_sse, start_server
+
+from radixlm.testing import poll
 
 pytestmark = pytest.mark.slow
 
@@ -54,17 +55,6 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
-
-
-def poll(what: str, fn, deadline_s: float = DEADLINE_S) -> Any:
-    """Call fn until it returns something truthy; fail after deadline_s."""
-    end = time.monotonic() + deadline_s
-    while True:
-        got = fn()
-        if got:
-            return got
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def stuck_stream(server: Server) -> socket.socket:

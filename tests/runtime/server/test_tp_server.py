@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 import pytest
 from server_harness import Server, start_server
+
+from radixlm.testing import poll
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +38,6 @@ def workers(server: Server) -> list[int]:
     assert info["engine"]["tp_size"] == 2
     pids: list[int] = info["engine"]["tp_worker_pids"]
     return pids
-
-
-def poll(what: str, fn: Any) -> Any:
-    """Call fn until it returns something truthy; fail after DEADLINE_S."""
-    end = time.monotonic() + DEADLINE_S
-    while not (got := fn()):
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return got
 
 
 def wait_restarted(server: Server, restarts: int) -> None:
