@@ -10,7 +10,7 @@
   prefill;
 - radix cache on vs off on 64 requests sharing a 2k-token prefix;
 - structured output: a 5-field `json_schema` against free text (ignore_eos) at batch 1/16/64,
-  max_new_tokens 128, output tokens over the whole generate call (issue 15's table).
+  max_new_tokens 128, output tokens over the whole generate call (the structured-output table).
 
     python benchmarks/gpu.py --tokenizer DIR [--out benchmarks/results/gpu.json] [--profile]
 

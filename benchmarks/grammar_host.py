@@ -1,4 +1,4 @@
-"""The grammar's host work per decode step at a batch size, without a model (issue 15).
+"""The grammar's host work per decode step at a batch size, without a model.
 
 A batch of B constrained rows writes person records (benchmarks/structured_output.py's schema,
 compact JSON, tokenized by the model's tokenizer), each row at its own point of its record, as

@@ -1,4 +1,4 @@
-"""Tensor parallelism on two GPUs (issue 17): one JSON from one run on `nvidia-h200-x2`.
+"""Tensor parallelism on two GPUs: one JSON from one run on `nvidia-h200-x2`.
 
 - correctness: dummy:llama-3.2-1b in fp32, TP=2 greedy tokens == TP=1 (8 prompts x 32 tokens),
   and dummy:llama-3-8b in bf16, the share of TP=2's greedy tokens equal to TP=1's;

@@ -29,7 +29,7 @@ OPENAI_MAX_LOGIT_BIAS = 100.0  # |bias| the OpenAI routes take (OpenAI's own ran
 # and the distribution is a point mass in fp32 anyway (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Above this the distribution is uniform in fp32 anyway; far above it logits / T underflow and
-# T * x overflows (1e300 made EOS sampleable inside min_new_tokens: issue 21).
+# T * x overflows (1e300 made EOS sampleable inside min_new_tokens).
 MAX_TEMPERATURE = 100.0
 # A top_p below the smallest normal float32 (~1.2e-38) decodes greedily: the sampler holds top_p in
 # float32, where it becomes 0 or a subnormal that a device may flush to 0, and a nucleus of mass 0

@@ -1,4 +1,4 @@
-"""Hostile input (issue 21), against one real `radixlm serve` on 127.0.0.1: each case first, then
+"""Hostile input, against one real `radixlm serve` on 127.0.0.1: each case first, then
 the server is checked unharmed: /health ok, a known greedy prompt gives the same text, and
 /debug/check ok with every KV slot back. docs/reliability.md has the table of what was tried."""
 
