@@ -1,11 +1,6 @@
 """The radixlm DSL (SGLang's frontend names): programs, their interpreter and backends."""
 
 from radixlm.lang.context import DslContext, set_default_backend
-from radixlm.lang.frontend.choices import (
-    greedy_token_selection,
-    token_length_normalized,
-    unconditional_likelihood_normalized,
-)
 from radixlm.lang.frontend.expr import (
     assistant,
     assistant_begin,
@@ -25,9 +20,14 @@ from radixlm.lang.frontend.expr import (
 )
 from radixlm.lang.frontend.function import SglFunction, arun_graph, function, run_graph
 from radixlm.lang.frontend.tools import FunctionCall, describe_tools
-from radixlm.lang.interpreter.ir import Graph, GraphError
 from radixlm.lang.interpreter.runner import ProgramState, TraceError
 from radixlm.lang.sessions import Session, session
+from radixlm.runtime.programs.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
+from radixlm.runtime.programs.ir import Graph, GraphError
 
 __all__ = [
     "DslContext", "FunctionCall", "Graph", "GraphError", "ProgramState", "Session", "SglFunction", "TraceError", "arun_graph",

@@ -17,8 +17,8 @@ from typing import Any
 
 from radixlm.lang.backends.base import Backend, Connection
 from radixlm.lang.context import DEFAULT_CONTEXT
-from radixlm.lang.interpreter.state import StateCore
 from radixlm.runtime.programs.executor import SessionTurns
+from radixlm.runtime.programs.state import StateCore
 
 
 class Session:

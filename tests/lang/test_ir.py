@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 import radixlm.lang as sgl
-from radixlm.lang.frontend.choices import (
+from radixlm.runtime.chat_template import FALLBACK, from_tokenizer
+from radixlm.runtime.programs.choices import (
     greedy_token_selection,
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
-from radixlm.lang.frontend.sampling import SamplingArgs, convert_dtype
-from radixlm.lang.interpreter.ir import (
+from radixlm.runtime.programs.ir import (
     ForkNode,
     GenNode,
     Graph,
@@ -25,8 +25,8 @@ from radixlm.lang.interpreter.ir import (
     SelectNode,
     TextNode,
 )
-from radixlm.lang.interpreter.select import divergence, score_spans
-from radixlm.runtime.chat_template import FALLBACK, from_tokenizer
+from radixlm.runtime.programs.sampling import SamplingArgs, convert_dtype
+from radixlm.runtime.programs.select import divergence, score_spans
 
 
 class Person(BaseModel):

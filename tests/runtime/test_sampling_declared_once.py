@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -16,7 +15,7 @@ import pytest
 
 import radixlm as rl
 from radixlm.cli import build_parser, generate_params
-from radixlm.lang.frontend.sampling import SamplingArgs
+from radixlm.runtime.programs.sampling import SamplingArgs
 from radixlm.runtime.sampling_params import (
     ALIASES,
     CONSTRAINT_FIELDS,
@@ -31,6 +30,7 @@ from radixlm.runtime.server import openai_api
 from radixlm.runtime.server.errors import ApiError
 from radixlm.runtime.server.openapi import openapi_spec
 from radixlm.runtime.server.settings import ServerSettings
+from radixlm.runtime.server.tokenizer import ServerTokenizer
 
 NAMES = SamplingParams.field_names()
 DSL = [n for n in NAMES if PARAMS[n].dsl]
@@ -120,7 +120,14 @@ def test_the_openapi_schema_describes_every_field_from_the_declaration():
     assert schemas["ChatCompletionRequest"]["properties"]["temperature"]["anyOf"][0]["maximum"] == 2  # OpenAI's
 
 
-VOCAB = SimpleNamespace(vocab_size=1 << 20)  # what _params reads of the server's tokenizer (logit_bias ids)
+class _Vocab:
+    """What _params reads of the server's tokenizer: its vocabulary size and the check of token ids against it."""
+
+    vocab_size = 1 << 20
+    check_token_params = ServerTokenizer.check_token_params
+
+
+VOCAB = _Vocab()
 
 
 def test_the_openai_routes_take_every_openai_field_by_its_openai_name():

@@ -12,14 +12,13 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from radixlm.lang.frontend.choices import (
+from radixlm.lang.frontend.tools import declare
+from radixlm.runtime.programs.choices import (
     METHODS,
     ChoicesMethod,
     token_length_normalized,
 )
-from radixlm.lang.frontend.sampling import DSL_NAMES, DTYPE_REGEX, SamplingArgs
-from radixlm.lang.frontend.tools import declare
-from radixlm.lang.interpreter.ir import (
+from radixlm.runtime.programs.ir import (
     Constraint,
     GenNode,
     Role,
@@ -28,6 +27,7 @@ from radixlm.lang.interpreter.ir import (
     SelectNode,
     TextNode,
 )
+from radixlm.runtime.programs.sampling import DSL_NAMES, DTYPE_REGEX, SamplingArgs
 from radixlm.runtime.sampling_params import PARAMS, SamplingParams, check_fields
 
 DType = type | Literal["int", "float", "bool", "str"] | None

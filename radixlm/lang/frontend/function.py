@@ -10,9 +10,6 @@ from typing import Any
 
 from radixlm.lang.backends.base import Backend
 from radixlm.lang.context import DEFAULT_CONTEXT
-from radixlm.lang.frontend.sampling import SamplingArgs
-from radixlm.lang.interpreter.executor import RunContext
-from radixlm.lang.interpreter.ir import Graph
 from radixlm.lang.interpreter.runner import (
     ProgramState,
     TraceError,
@@ -22,8 +19,11 @@ from radixlm.lang.interpreter.runner import (
     run_one,
     trace,
 )
-from radixlm.lang.interpreter.state import StateCore
 from radixlm.lang.sessions import Session, SessionRun
+from radixlm.runtime.programs.executor import RunContext
+from radixlm.runtime.programs.ir import Graph
+from radixlm.runtime.programs.sampling import SamplingArgs
+from radixlm.runtime.programs.state import StateCore
 
 DEFAULT_CONCURRENCY = 64
 

@@ -19,8 +19,8 @@ from types import FrameType
 from typing import Any, Self
 
 from radixlm.lang.frontend.expr import ExprLike, assistant, system, to_expr, user
-from radixlm.lang.interpreter.executor import RunContext, execute, gather_all
-from radixlm.lang.interpreter.ir import (
+from radixlm.runtime.programs.executor import RunContext, execute, gather_all
+from radixlm.runtime.programs.ir import (
     JOIN_MODES,
     ForkNode,
     JoinMode,
@@ -33,7 +33,7 @@ from radixlm.lang.interpreter.ir import (
     dropped_variables,
     unjoined_forks,
 )
-from radixlm.lang.interpreter.state import StateCore
+from radixlm.runtime.programs.state import StateCore
 
 _LANG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.lang.backends.base import Backend, Connection, GraphConnection
-from radixlm.lang.frontend.sampling import SamplingArgs
-from radixlm.lang.interpreter.executor import RunContext, execute, run_sequence
 from radixlm.lang.interpreter.handles import (
     LiveRun,
     LiveState,
@@ -29,9 +27,11 @@ from radixlm.lang.interpreter.handles import (
     TracingState,
     unjoined_fork_error,
 )
-from radixlm.lang.interpreter.ir import Graph, RoleBeginNode, RoleEndNode, TextNode
-from radixlm.lang.interpreter.state import StateCore
 from radixlm.lang.sessions import SessionRun
+from radixlm.runtime.programs.executor import RunContext, execute, run_sequence
+from radixlm.runtime.programs.ir import Graph, RoleBeginNode, RoleEndNode, TextNode
+from radixlm.runtime.programs.sampling import SamplingArgs
+from radixlm.runtime.programs.state import StateCore
 
 # A shared prefix shorter than this is not worth a separate prefill request before a batch.
 MIN_SHARED_PREFIX_CHARS = 64
