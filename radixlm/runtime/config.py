@@ -152,6 +152,9 @@ class ConstraintConfig:
     lets the model choose its whitespace (the grammar then forces little)."""
 
     grammar_backend: str = "llguidance"  # a name in radixlm.runtime.constrained.GRAMMAR_BACKENDS (docs/structured-output.md)
+    # A json_schema llguidance refuses is compiled by xgrammar where it is installed (it enforces
+    # exactly what it compiles, refusing what it would approximate); logged once per schema.
+    grammar_fallback: bool = True
     jump_forward: bool = True  # requests may still turn it off with sampling_params.jump_forward
     # Jump forward only while at most this many requests run; above it the forced text is decoded
     # through the mask, one token a step. None: 1 on CUDA with the overlap schedule (planning jumps

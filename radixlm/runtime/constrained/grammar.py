@@ -24,7 +24,7 @@ import numpy as np
 
 from radixlm.runtime.constrained import structural_tag
 from radixlm.runtime.constrained.finite_schema import finite_schema
-from radixlm.runtime.constrained.limits import SpecLimits, check_spec, grammar_bounds
+from radixlm.runtime.constrained.limits import NoFiniteText, SpecLimits, check_spec, grammar_bounds
 from radixlm.runtime.constrained.schema_check import UnsupportedSchema, prepare_json_schema
 from radixlm.runtime.constrained.tokenizer_info import TokenizerVocab
 
@@ -82,6 +82,9 @@ class GrammarConfig:
     compile_threads: int = 1
     fill_threads: int = 1  # llguidance's pool that fills a step's masks together
     limits: SpecLimits = SpecLimits()  # checked before compiling (radixlm.runtime.constrained.limits)
+    # A json_schema the llguidance backend refuses is compiled by xgrammar when it is installed
+    # (it enforces exactly what it compiles); off for a backend on its own (tests, benchmarks).
+    fallback: bool = False
 
     def __post_init__(self) -> None:
         if len(self.json_separators) != 2:
@@ -189,10 +192,12 @@ def _call(fn: Any, arg: Any) -> bool | Exception:
 
 
 class Grammar(Protocol):
-    """A compiled constraint, shared by all requests that use the same (kind, spec)."""
+    """A compiled constraint, shared by all requests that use the same (kind, spec). ``backend``:
+    the grammar engine that compiled it (another than the configured one after a fallback)."""
 
     kind: str
     vocab_size: int
+    backend: str
 
     def new_matcher(self) -> GrammarMatcher: ...
 
@@ -498,6 +503,7 @@ class XGrammarMatcher:
 
 class XGrammarGrammar:
     __slots__ = ("kind", "vocab_size", "_compiled", "_xgr", "_rules", "jump_safe")
+    backend = "xgrammar"
 
     def __init__(self, kind: str, compiled: Any, vocab_size: int, xgr: Any, rules: ByteRules | None = None,
                  jump_safe: bool = True) -> None:
@@ -555,15 +561,23 @@ class CachedGrammarBackend:
                 return _grammar_or_raise(hit)
         check_spec(kind, norm, self.config.limits)
         # Compiled outside the lock: two threads may compile one key; the first one kept wins.
+        result: Grammar | CompileFailure
         try:
             if kind == "json_schema":
-                norm = self._enforceable_schema(norm)
+                result = self._compile_uncached(kind, self._enforceable_schema(norm))
             elif kind == "structural_tag":
-                norm = self._enforceable_tag(norm)
-            result: Grammar | CompileFailure = self._compile_uncached(kind, norm)
-        except ValueError as e:
+                result = self._compile_uncached(kind, self._enforceable_tag(norm))
+            else:
+                result = self._compile_uncached(kind, norm)
+        except NoFiniteText as e:  # no engine compiles it
             result = CompileFailure(str(e))
+        except ValueError as e:
+            result = self._fallback(kind, norm, str(e)) or CompileFailure(str(e))
         return _grammar_or_raise(self._keep(key, result))
+
+    def _fallback(self, kind: str, norm: Any, error: str) -> Grammar | None:
+        """A grammar from another engine for a spec this one refused with ``error``; None: none."""
+        return None
 
     def cached(self, kind: str, spec: Any) -> Grammar | None:
         """The grammar for ``(kind, spec)`` if it is cached (ValueError if its compile failed),
@@ -586,6 +600,8 @@ class CachedGrammarBackend:
         schema = json.loads(text)
         try:
             checked = self._checked(schema)
+        except NoFiniteText:
+            raise  # it names the kind
         except (UnsupportedSchema, ValueError) as e:
             raise ValueError(f"cannot compile json_schema: {e}") from None
         return text if checked is schema else _json_dumps(checked)
@@ -656,6 +672,19 @@ class XGrammarBackend(CachedGrammarBackend):
     def check_schema(self, schema: Any) -> Any:
         """Refuse what xgrammar only approximates, or narrow it to what xgrammar enforces (schema_check.py)."""
         return prepare_json_schema(schema)
+
+    def json_grammar_size(self, norm: str) -> int:
+        """How many expressions xgrammar's grammar for a normalized json_schema holds, found in
+        milliseconds before compiling it (the compile's time and memory grow with it, and with
+        the vocabulary); ValueError when the schema is refused."""
+        cfg = self.config
+        try:
+            grammar = self._xgr.Grammar.from_json_schema(
+                self._enforceable_schema(norm), any_whitespace=cfg.json_any_whitespace, separators=cfg.json_separators,
+                strict_mode=cfg.json_strict, any_order=cfg.json_any_order)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"cannot compile json_schema: {_clean_engine_error(e)}") from None
+        return len(json.loads(grammar.serialize_json())["grammar_expr_indptr"])
 
     def _compile_engine(self, kind: str, norm: Any) -> Any:
         c = self._compiler

@@ -21,7 +21,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_SHORTEST_TEXT", "GrammarBounds", "SpecLimits", "check_spec", "grammar_bounds", "ref_nesting"]
+__all__ = ["MAX_SHORTEST_TEXT", "GrammarBounds", "NoFiniteText", "SpecLimits", "check_spec", "endless_error",
+           "grammar_bounds", "ref_nesting"]
 
 # JSON Schema keywords holding a count that a grammar unrolls or counts up to.
 COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
@@ -101,21 +102,26 @@ def _check_repeats(kind: str, text: str, limits: SpecLimits) -> None:
 
 
 def _check_schema(schema: Any, limits: SpecLimits) -> None:
-    """Nesting, enum sizes, counts and patterns of a parsed schema, walked without recursion."""
+    """Nesting, enum sizes, counts, patterns and ``multipleOf`` of a parsed schema, walked
+    without recursion."""
     kind = "json_schema"
-    stack: list[tuple[Any, int]] = [(schema, 1)]
+    stack: list[tuple[Any, int, str]] = [(schema, 1, "")]
     refs = False
     while stack:
-        node, depth = stack.pop()
+        node, depth, where = stack.pop()
         if depth > limits.max_nesting:
             raise _too_big(kind, "its nesting depth (objects and arrays inside one another)", depth,
                            limits.max_nesting, "nesting")
         if isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
+            stack.extend((v, depth + 1, f"{where}/{i}") for i, v in enumerate(node))
             continue
         if not isinstance(node, dict):
             continue
         refs = refs or isinstance(node.get("$ref"), str)
+        step = node.get("multipleOf")
+        if "multipleOf" in node and (isinstance(step, bool) or not isinstance(step, (int, float)) or not step > 0):
+            raise ValueError(f"json_schema is not valid: 'multipleOf' must be a number greater than 0, got "
+                             f"{json.dumps(step)} (at {where or '/'})")
         enum = node.get("enum")
         if isinstance(enum, list) and len(enum) > limits.max_enum:
             raise _too_big(kind, "the number of enum values", len(enum), limits.max_enum, "enum")
@@ -131,14 +137,19 @@ def _check_schema(schema: Any, limits: SpecLimits) -> None:
             _check_repeats(kind, pattern, limits)
         for key, value in node.items():
             if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: a property "enum" is no keyword
-                stack.extend((sub, depth + 2) for sub in value.values())
+                stack.extend((sub, depth + 2, f"{where}/{_escape(key)}/{_escape(name)}") for name, sub in value.items())
             elif key not in _DATA_KEYWORDS and isinstance(value, (dict, list)):
-                stack.append((value, depth + 1))
+                stack.append((value, depth + 1, f"{where}/{_escape(key)}"))
     if refs:
         depth = ref_nesting(schema)
         if depth > limits.max_ref_nesting:
             raise _too_big(kind, "its nesting through $ref (objects and arrays inside one another, each $ref "
                            "read as the schema it names)", depth, limits.max_ref_nesting, "ref-nesting")
+
+
+def _escape(key: str) -> str:
+    """A key as a JSON pointer writes it."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _resolve_local(ref: str, root: Any) -> Any:
@@ -345,19 +356,29 @@ def grammar_bounds(kind: str, serialized: str) -> GrammarBounds:
     except (UnknownGrammar, KeyError, IndexError, TypeError, ValueError):
         return GrammarBounds(jump_safe=False)  # cannot tell: never ask the engine for forced text
     for r in reachable:
-        if shortest[r] == _NEVER and r == root:
-            example = ("a property that is required and refers back to its own object" if kind == "json_schema"
-                       else 'root ::= "a" root')
-            raise ValueError(f"{kind} accepts no finite text: every way through it requires itself again "
-                             f"(e.g. {example}); make the recursion optional")
         if shortest[r] == _NEVER:
-            raise ValueError(f"{kind} has a part that can never end once entered (rule {rules[r][0]!r} "
-                             "requires itself again on every path); make that recursion optional or remove it")
+            raise endless_error(kind, None if r == root else rules[r][0])
         if shortest[r] == _TOO_LONG:
             raise ValueError(f"{kind} is too large: its shortest text (rule {rules[r][0]!r}) is longer than "
                              f"{MAX_SHORTEST_TEXT:,} bytes")
     lookahead = any(rules[r][2] >= 0 for r in reachable)
     return GrammarBounds(jump_safe=not (lookahead and kind in ("ebnf", "choices")))
+
+
+class NoFiniteText(ValueError):
+    """A constraint with no finite text, or with a part that can never end once entered."""
+
+
+def endless_error(kind: str, rule: str | None) -> NoFiniteText:
+    """The error for a constraint with no finite text (``rule`` None) or with a part, ``rule``,
+    that can never end once entered."""
+    if rule is not None:
+        return NoFiniteText(f"{kind} has a part that can never end once entered (rule {rule!r} requires itself "
+                          "again on every path); make that recursion optional or remove it")
+    example = ("a property that is required and refers back to its own object, or an anyOf whose branches all "
+               "do" if kind == "json_schema" else 'root ::= "a" root, or root ::= "[" root "]" | "{" root "}"')
+    return NoFiniteText(f"{kind} accepts no finite text: every way through it requires itself again (e.g. {example}); "
+                      "make the recursion optional")
 
 
 def _exprs(flat: list[int], indptr: list[int]) -> list[tuple[int, list[int]]]:

@@ -243,6 +243,7 @@ class OutlinesGrammar:
     """A compiled constraint: the token index, plus a character FSM for forced text."""
 
     __slots__ = ("kind", "vocab_size", "regex", "index", "char_fsm", "char_fsm_error", "_vocab", "_oc")
+    backend = "outlines"
 
     def __init__(self, kind: str, regex: str, index: Any, char_fsm: CharFSM | None,
                  char_fsm_error: str, vocab: TokenizerVocab, oc: Any) -> None:

@@ -38,6 +38,7 @@ def grammar_config(config: ConstraintConfig) -> GrammarConfig:
         json_any_whitespace=config.json_whitespace == "any",
         cache_size=config.grammar_cache_size,
         fill_threads=config.grammar_fill_threads,
+        fallback=config.grammar_fallback,
         limits=SpecLimits(max_bytes=config.grammar_max_bytes, max_schema_bytes=config.grammar_max_schema_bytes,
                           max_nesting=config.grammar_max_nesting, max_ref_nesting=config.grammar_max_ref_nesting,
                           max_enum=config.grammar_max_enum, max_repeat=config.grammar_max_repeat),

@@ -7,6 +7,8 @@ descriptions, maps (``additionalProperties``), int-or-string ``anyOf``, enums, f
 nested objects and one recursive definition. About 150 KB of compact JSON.
 ``instance(schema)``: a valid instance of such a schema, keys in the schema's order (the order
 a grammar generates them in).
+``ref_chain(n)``: a hostile one: ``n`` object schemas, each with a property whose schema is the
+next (llguidance compiles the chain recursively: ~1,000 of them crashed it, and the process).
 """
 
 from __future__ import annotations
@@ -263,3 +265,11 @@ def instance(schema: dict[str, Any], fill: int = 6) -> Any:
         return f"{key}-value" if key else "value"
 
     return value(schema, 0, "")
+
+
+def ref_chain(n: int) -> dict[str, Any]:
+    """The ``$ref`` chain described in the module docstring (~75 bytes a link)."""
+    defs: dict[str, Any] = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+                            for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from big_schemas import ref_chain
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -198,15 +199,6 @@ def _nested_object(depth: int) -> dict[str, Any]:
     return schema
 
 
-def _ref_chain(n: int) -> dict[str, Any]:
-    """``n`` object schemas, each with a property whose schema is the next one (llguidance
-    compiles the chain recursively: ~1,000 of these crashed it, the process with it)."""
-    defs: dict[str, Any] = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
-                            for i in range(n)}
-    defs[f"d{n}"] = {"type": "integer"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
 # (kind, spec, the words the error must contain); checked before anything compiles
 OVER_LIMIT = {
     "json nested 200": ("json_schema", _nested_object(200), ["nesting depth", "128", "--grammar-max-nesting"]),
@@ -221,7 +213,7 @@ OVER_LIMIT = {
     "json minItems 1e30": ("json_schema", {"type": "array", "minItems": 1e30}, ["'minItems'", "1,000,000"]),
     "json pattern a{2000000}": ("json_schema", {"type": "string", "pattern": "a{2000000}"}, ["repetition count"]),
     "json huge pattern": ("json_schema", {"type": "string", "pattern": "ab" * 600_000}, ["size in bytes"]),
-    "json $ref chain": ("json_schema", _ref_chain(1000), ["nesting through $ref", "is 3,002", "1,024",
+    "json $ref chain": ("json_schema", ref_chain(1000), ["nesting through $ref", "is 3,002", "1,024",
                                                           "--grammar-max-ref-nesting"]),
     "regex a{10000000}": ("regex", "a{10000000}", ["repetition count in '{10000000}'", "--grammar-max-repeat"]),
     "regex a{1,99999999}": ("regex", "a{1,99999999}", ["repetition count"]),

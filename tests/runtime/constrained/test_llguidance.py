@@ -15,6 +15,7 @@ from radixlm.runtime.constrained import GRAMMAR_BACKENDS, GrammarConfig, bitmask
 from radixlm.runtime.constrained.bitmask import allocate_bitmask
 from radixlm.runtime.constrained.jump_forward import JumpForward
 from radixlm.runtime.constrained.llguidance_backend import (
+    FALLBACK_MAX_EXPRESSIONS,
     LLGuidanceBackend,
     choices_to_lark,
     close_objects,
@@ -485,7 +486,7 @@ def test_special_tokens_are_found_outside_literals_only():
     assert not refers_to_special_tokens('start: "<|im_end|>" /<a\\/>/ // <b>\n# <c>\nx: %json {"pattern": "<"}')
 
 
-def test_prepare_schema_drops_formats_no_validator_knows(llg, smol_tokenizer):
+def test_prepare_schema_drops_formats_llguidance_does_not_enforce(llg, smol_tokenizer):
     schema = {"type": "object", "properties": {
         "a": {"type": "string", "format": "password"}, "b": {"type": "string", "format": "date"},
         "format": {"type": "string", "enum": [{"format": "x"}]}}, "default": {"format": "kept"}}
@@ -498,11 +499,13 @@ def test_prepare_schema_drops_formats_no_validator_knows(llg, smol_tokenizer):
     assert llg.compile("json_schema", {"type": "string", "format": "int32"}).kind == "json_schema"
 
 
-@pytest.mark.parametrize("fmt", ["uri-reference", "regex", "iri", "json-pointer"])
-def test_standard_formats_it_cannot_enforce_are_refused(llg, fmt):
-    """A validator that asserts formats checks these (JSONSchemaBench's invalid instances do)."""
-    with pytest.raises(ValueError, match=f"'format': '{fmt}' is not supported by the llguidance backend"):
-        llg.compile("json_schema", {"type": "object", "properties": {"x": {"type": "string", "format": fmt}}})
+@pytest.mark.parametrize("fmt", ["uri-template", "uri-reference", "regex", "iri", "json-pointer", "byte"])
+def test_formats_it_cannot_enforce_are_plain_strings(llg, smol_tokenizer, fmt):
+    """JSON Schema's formats llguidance does not enforce, and others: ``format`` is an annotation
+    unless a validator is told to assert it, so the string is any string (not a refusal)."""
+    m = llg.compile("json_schema", {"type": "object", "properties": {"x": {"type": "string", "format": fmt}},
+                                    "required": ["x"]}).new_matcher()
+    assert _feed(m, _ids(smol_tokenizer, '{"x":"file:///{path}?q=1 (any text)"}')) is None and m.is_completed()
 
 
 def test_repeated_keys_cannot_satisfy_min_properties(llg, smol_tokenizer):
@@ -619,3 +622,63 @@ def test_our_token_bytes_stand_in_for_the_tokenizer_json(vocab, smol_tokenizer, 
     for t in _ids(smol_tokenizer, '{"a":"x¡y"}'):
         assert np.array_equal(a.compute_bitmask(), b.compute_bitmask())
         assert a.consume_token(t) and b.consume_token(t)
+
+
+# --- fallback to xgrammar -----------------------------------------------------------------------
+
+# A payment card is exactly one of two closed objects, told apart by "provider". llguidance
+# refuses the oneOf (it cannot tell the branches exclude each other: a value that is no object
+# would pass both); xgrammar's backend gives each branch the type its keywords imply (object),
+# proves them exclusive by the discriminator, and enforces the schema exactly.
+CARD = {"type": "object", "required": ["card"], "properties": {"card": {"oneOf": [
+    {"additionalProperties": False, "required": ["provider"],
+     "properties": {"provider": {"enum": ["mastercard"], "type": "string"}}},
+    {"additionalProperties": False, "required": ["provider", "code"],
+     "properties": {"provider": {"enum": ["visa"], "type": "string"}, "code": {"type": "integer"}}}]}}}
+
+
+def test_a_schema_llguidance_refuses_is_compiled_by_xgrammar(vocab, smol_tokenizer, caplog):
+    pytest.importorskip("xgrammar")
+    with pytest.raises(ValueError, match="oneOf constraints are not supported"):
+        LLGuidanceBackend(vocab).compile("json_schema", CARD)  # no fallback: llguidance alone
+    backend = LLGuidanceBackend(vocab, GrammarConfig(fallback=True))
+    with caplog.at_level("WARNING", logger="radixlm.runtime.constrained.llguidance_backend"):
+        grammar = backend.compile("json_schema", CARD)
+        assert backend.compile("json_schema", CARD) is grammar  # cached: compiled and logged once
+    assert grammar.backend == "xgrammar"
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "compiled by xgrammar" in logged[0] and "oneOf constraints" in logged[0]
+    for text in ('{"card":{"provider":"visa","code":4242}}', '{"card":{"provider":"mastercard"}}'):
+        m = grammar.new_matcher()
+        assert _feed(m, _ids(smol_tokenizer, text)) is None and m.is_completed(), text
+    for text in ('{"card":{"provider":"visa"}}', '{"card":{"provider":"mastercard","code":1}}', '{"card":"x"}'):
+        m = grammar.new_matcher()
+        assert _feed(m, _ids(smol_tokenizer, text)) is not None or not m.is_completed(), text
+
+
+def test_no_fallback_where_xgrammar_would_only_approximate(vocab):
+    """``not`` is refused by both: xgrammar's backend refuses what it cannot enforce exactly, so
+    the error stays llguidance's."""
+    pytest.importorskip("xgrammar")
+    backend = LLGuidanceBackend(vocab, GrammarConfig(fallback=True))
+    with pytest.raises(ValueError, match=r"^cannot compile json_schema: .*not"):
+        backend.compile("json_schema", {"type": "object", "properties": {"a": {"not": {"minimum": 3}}}})
+
+
+def test_no_fallback_past_llguidance_limits_or_for_a_large_grammar(vocab, caplog):
+    """xgrammar's compile cannot be stopped and grows fast (1,000 optional properties: 29 s,
+    +6 GiB): no fallback where llguidance refused for one of its resource limits, nor where
+    xgrammar's grammar would pass FALLBACK_MAX_EXPRESSIONS."""
+    pytest.importorskip("xgrammar")
+    backend = LLGuidanceBackend(vocab, GrammarConfig(fallback=True))
+    many = {f"p{i}": {"type": "integer"} for i in range(3000)}
+    with caplog.at_level("DEBUG", logger="radixlm.runtime.constrained.llguidance_backend"):
+        with pytest.raises(ValueError, match="Current row has .* items; max is 2000"):
+            backend.compile("json_schema", {"type": "object", "properties": many})  # a resource limit
+        assert not caplog.records
+        wide = {"type": "object", "properties": {**dict(list(many.items())[:300]), "card": CARD["properties"]["card"]}}
+        with pytest.raises(ValueError, match="oneOf constraints are not supported"):
+            backend.compile("json_schema", wide)  # a construct xgrammar compiles, but too large a grammar
+    (record,) = caplog.records
+    size = int(record.getMessage().split("would hold ")[1].split()[0])
+    assert size > FALLBACK_MAX_EXPRESSIONS
