@@ -248,7 +248,7 @@ def _serve(ns: argparse.Namespace) -> int:
     settings = server_settings(ns)
     config = EngineConfig.from_kwargs(**engine_options(ns))
     if config.parallel.tp_size > 1:  # a --tp-size that cannot work fails before the server starts
-        from radixlm.runtime.engine_core import check_parallel
+        from radixlm.runtime.engine_build import check_parallel
 
         check_parallel(config)
     if ns.dp_size > 1:

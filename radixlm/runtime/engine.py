@@ -222,7 +222,7 @@ class Engine:
                 boxes.append(box)
                 try:
                     self.core.add_request(s)
-                except ValueError:
+                except Exception:  # (a refused request takes the batch's others with it)
                     for b in boxes[:-1]:
                         self.abort(b.rid)
                     raise

@@ -3,6 +3,10 @@
 Per token: the grammar accepts it (and may jump over forced text), the detokenizer and stop
 matcher turn it into text, logprobs are recorded, and the scheduler says whether the request
 is finished (by a stop, or by length); a finished request gets its totals (`meta`).
+
+The processor only reads the scheduler: what it decides for the scheduler (a `Finish`, a
+`Rewind` of the KV a jump replaced) goes to the engine core's `apply`, at once, so the
+requests processed after it in the same step see it applied.
 """
 
 from __future__ import annotations
@@ -49,6 +53,25 @@ class RequestOutput:
         ids.extend(self.token_ids_delta)
 
 
+@dataclass(frozen=True)
+class Finish:
+    """End the request: the scheduler releases what it holds (``keep_in_cache`` False: its KV
+    beyond the cached prefix is freed, not cached)."""
+
+    reason: str
+    keep_in_cache: bool = True
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """Drop the request's KV of positions >= ``length`` (jump-forward replaced their tokens)."""
+
+    length: int
+
+
+Decision = Finish | Rewind
+
+
 @dataclass
 class Totals:
     """Prompt tokens of finished requests and how many of them came from the cache."""
@@ -60,10 +83,12 @@ class Totals:
 class OutputProcessor:
     def __init__(self, tokenizer: Any, scheduler: Scheduler, grammar: GrammarStage, context_length: int,
                  on_finish: Callable[[EngineRequest], dict[str, Any]], jump_policy: JumpPolicy,
-                 faults: FaultBoundary | None = None) -> None:
-        """``on_finish``: called once per finished request, returns extra meta (its session turn);
-        ``jump_policy``: when a jump over forced text pays (the engine measures it at start-up);
-        ``faults``: where a fault in one request's output processing is contained."""
+                 apply: Callable[[EngineRequest, Decision], None], faults: FaultBoundary | None = None) -> None:
+        """``scheduler``: read only (end reasons, how many requests run); ``on_finish``: called
+        once per finished request, returns extra meta (its session turn); ``jump_policy``: when a
+        jump over forced text pays (the engine measures it at start-up); ``apply``: carries out a
+        decision for the scheduler; ``faults``: where a fault in one request's output processing
+        is contained."""
         self.faults = faults or FaultBoundary()
         self.jump_policy = jump_policy
         self.tokenizer = tokenizer
@@ -71,6 +96,7 @@ class OutputProcessor:
         self.grammar = grammar
         self.context_length = context_length
         self.on_finish = on_finish
+        self.apply = apply
         self.totals = Totals()
 
     def append(self, reqs: list[EngineRequest], tokens: list[int], logprobs: list[float] | None = None,
@@ -136,7 +162,7 @@ class OutputProcessor:
         req.text += delta
         if reason is None:
             return self._output(req, delta)
-        self.scheduler.finish(req, reason)
+        self.apply(req, Finish(reason))
         return self.finish(req, delta)
 
     def start(self, req: EngineRequest) -> RequestOutput | None:
@@ -188,7 +214,7 @@ class OutputProcessor:
         self.faults.check("jump", [req.rid])
         del req.output_ids[keep:]
         req.output_ids.extend(new_ids)
-        self.scheduler.rewind(req, len(req.prompt_ids) + keep)
+        self.apply(req, Rewind(len(req.prompt_ids) + keep))
         req.forced_tokens += len(new_ids)
         if req.return_logprob:  # forced tokens have probability 1 under the constraint
             del req.output_logprobs[keep:]
@@ -221,7 +247,7 @@ class OutputProcessor:
         """End req as aborted; a non-empty ``error`` is reported to its caller. ``internal``: a
         fault raised on its behalf, so its KV of the step is not cached (it may not match its
         tokens) and a failure of its last output is contained too."""
-        self.scheduler.finish(req, "abort", keep_in_cache=not internal)
+        self.apply(req, Finish("abort", keep_in_cache=not internal))
         req.status, req.finish_reason = Status.FINISHED, req.finish_reason or "abort"
         try:
             out = self.finish(req)

@@ -1,0 +1,71 @@
+"""What an engine reports about itself: the model it serves (get_model_info / get_server_info)
+and the integrity of its KV bookkeeping."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from radixlm.runtime.radix_cache import IntegrityError
+
+if TYPE_CHECKING:
+    from radixlm.runtime.engine_core import EngineCore
+
+
+def engine_info(core: EngineCore) -> dict[str, Any]:
+    """What the server reports about the model (get_model_info / get_server_info)."""
+    return {
+        "model_path": str(core.source.weights_dir or core.source.name),
+        "model_name": core.source.name,
+        "tokenizer_path": str(core.source.tokenizer_dir),
+        "context_length": core.context_length,
+        "vocab_size": core.source.arch.vocab_size,
+        "dtype": core.formats.dtype.dtype,
+        "dtype_reason": core.formats.dtype.reason,
+        "quantization": core.formats.quant.method,
+        "quantization_reason": core.formats.quant.reason,
+        "quant_dense_above": core.formats.quant.dense_above,
+        "attention_dtype": core.formats.attention.dtype,
+        "attention_dtype_reason": core.formats.attention.reason,
+        "packed_weights": core.model.packed_weights(),
+        "native_products": core.model.native_products(),
+        "device": str(core.device),
+        "tp_size": core.config.parallel.tp_size,
+        "tp_worker_pids": [] if core.workers is None else core.workers.pids,
+        "max_total_tokens": core.allocator.num_slots,
+        "max_running_requests": core.config.scheduler.max_running_requests,
+        "eos_token_ids": sorted(core.eos_ids),
+        "chat_template": getattr(core.tokenizer, "chat_template", None) is not None,
+    }
+
+
+def integrity_report(core: EngineCore) -> dict[str, Any]:
+    """Check the KV bookkeeping at any moment; the figures and every broken invariant.
+
+    Every slot is free, held by the radix cache, or held by a running request beyond its
+    cached prefix; nothing else. While idle, only session pins may lock cache nodes.
+    Walks the whole tree: O(cached tokens), so it is for tests and soak runs, not per step.
+    """
+    errors: list[str] = []
+    for name, check in (("radix cache", core.cache.check_integrity), ("sessions", core.sessions.check_integrity)):
+        try:
+            check()
+        except IntegrityError as e:
+            errors.append(f"{name}: {e}")
+    alloc, cache = core.allocator, core.cache
+    held = sum(len(r.slots) - r.tree_len for r in core.scheduler.running)
+    free, cached, total = alloc.num_free, cache.total_size(), alloc.num_slots
+    if free + cached + held != total:
+        errors.append(f"KV slots leaked: free {free} + cached {cached} + held by requests {held} != total {total}")
+    idle = not core.has_work and not core.requests
+    pinned, held = core.sessions.pinned_tokens, core.scheduler.held_tokens
+    if idle and cache.protected_size() > pinned + held:
+        errors.append(f"{cache.protected_size()} cached tokens locked while idle, sessions pin only {pinned} "
+                      f"and programs' fork prefixes hold {held}")
+    return {
+        "ok": not errors, "errors": errors, "idle": idle,
+        "running_requests": len(core.scheduler.running), "waiting_requests": len(core.scheduler.waiting),
+        "kv_slots_total": total, "kv_slots_free": free, "kv_slots_held_by_requests": held,
+        "cache_tokens": cached, "cache_evictable_tokens": cache.evictable_size(),
+        "cache_protected_tokens": cache.protected_size(), "session_pinned_tokens": pinned,
+        "program_held_tokens": held,
+    }
