@@ -152,8 +152,9 @@ def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def _resolve_local(ref: str, root: Any) -> Any:
-    """The node a local ``$ref`` (``#``, ``#/a/b``) names in ``root``; None for any other."""
+def resolve_local(ref: str, root: Any) -> Any:
+    """The node a local ``$ref`` (``#``, ``#/a/b``, percent-encoded or JSON-pointer-escaped) names in
+    ``root``; None for any other, or when it names nothing there."""
     if ref == "#":
         return root
     if not ref.startswith("#/"):
@@ -219,7 +220,7 @@ def ref_nesting(schema: Any) -> int:
     while todo:
         i = todo.pop()
         own[i], refs = _own_nesting(nodes[i])
-        succ[i] = [node_id(t) for t in (_resolve_local(r, schema) for r in refs) if isinstance(t, (dict, list))]
+        succ[i] = [node_id(t) for t in (resolve_local(r, schema) for r in refs) if isinstance(t, (dict, list))]
     comp = _components(len(nodes), succ)
     # Tarjan numbers components sinks first: each one's successors are done before it
     members: dict[int, list[int]] = {}

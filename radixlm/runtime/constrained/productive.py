@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from radixlm.runtime.constrained.limits import endless_error
+from radixlm.runtime.constrained.limits import endless_error, resolve_local
 
 __all__ = ["check_lark", "productive_schema"]
 
@@ -64,24 +64,6 @@ _MANY = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
 
-def _pointer(ref: str, root: Any) -> Any:
-    """The node a local ``$ref`` names (None when it names nothing here)."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def _subschemas(node: dict[str, Any]) -> list[tuple[Any, Any]]:
     """(container, key) of each place in ``node`` that holds a subschema."""
     out: list[tuple[Any, Any]] = []
@@ -104,7 +86,7 @@ def _clauses(node: dict[str, Any], root: Any) -> list[list[Any]]:
     clauses: list[list[Any]] = []
     ref = node.get("$ref")
     if isinstance(ref, str):
-        target = _pointer(ref, root)
+        target = resolve_local(ref, root)
         if isinstance(target, (dict, bool)):
             clauses.append([target])
     for part in node.get("allOf", []) if isinstance(node.get("allOf"), list) else []:

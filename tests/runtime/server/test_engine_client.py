@@ -13,7 +13,7 @@ from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server.dispatcher import Dispatcher, Job
-from radixlm.runtime.server.engine_client import EngineClient, EngineDeadError
+from radixlm.runtime.server.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from radixlm.runtime.server.metrics import Metrics
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def test_unread_outputs_abort_only_their_request():
     asyncio.run(run())
 
 
-def test_exception_escaping_the_engine_loop_fails_requests_with_its_message():
+def test_a_malformed_request_fails_alone_and_an_exception_escaping_the_loop_ends_the_engine():
     async def run() -> None:
         client = EngineClient(_config())
         await client.start()
@@ -76,16 +76,26 @@ def test_exception_escaping_the_engine_loop_fails_requests_with_its_message():
             stream = client.generate(Submission("long", PROMPT, _job(0, "long", 2000).request.params))
             first = await stream.__anext__()
             assert not first.finished
-            # A malformed message (prompt_ids None) makes the engine raise TypeError outside any request.
+            # A malformed submission (prompt_ids None) raises TypeError admitting it: that request fails (500),
+            # the stream beside it goes on, the engine keeps running.
             bad = client.generate(Submission("bad", None, _job(0, "bad", 1).request.params))  # type: ignore[arg-type]
-            with pytest.raises(EngineDeadError) as bad_err:
+            with pytest.raises(RequestFailedError) as bad_err:
                 await bad.__anext__()
+            assert not bad_err.value.bad_input
+            assert "request bad" in str(bad_err.value) and "TypeError" in str(bad_err.value)
+            for _ in range(3):
+                assert not (await stream.__anext__()).finished
+            assert client.pid == pid and not client.dead
+            # A malformed query (close_session without its id) raises outside any request: the engine process
+            # ends with that exception's message, which every request in flight gets.
+            with pytest.raises(EngineDeadError) as query_err:
+                await client.query("close_session")
             with pytest.raises(EngineDeadError) as long_err:
                 while True:
                     await stream.__anext__()
             why = await client.wait_exit()
-            assert why == str(bad_err.value) == str(long_err.value) == client.dead
-            assert why.startswith("the engine process died (exit code 1): TypeError:"), why
+            assert why == str(query_err.value) == str(long_err.value) == client.dead
+            assert why.startswith("the engine process died (exit code 1): KeyError:"), why
             assert client.pid == pid
             with pytest.raises(EngineDeadError):
                 await client.query("stats")
