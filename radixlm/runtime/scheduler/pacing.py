@@ -1,58 +1,87 @@
 """What the engine's steps cost, measured as they run, and the prompt work they may take.
 
 A step is modeled as a fixed part, the time of a step of decodes alone (on a small batch,
-mostly reading the weights), plus a cost for each prompt token fed on top of it. Both are
-moving averages of the steps just measured, so they follow the model, the device, the depth of
-the prompt in flight and the load of the machine: no constant in here is a property of one
-device. On a GPU a prompt token costs a small fraction of a decode step; on a 2-core CPU, where
-a prompt is bound by arithmetic, ~1/3 of one (SmolLM2-135M, docs/benchmarks.md).
+mostly reading the weights), plus a cost for each prompt token fed on top of it. Both come from
+the last few steps measured, so they follow the model, the device, the depth of the prompt in
+flight and the batch: no constant in here is a property of one device. On a GPU a prompt token
+costs a small fraction of a decode step; on a 2-core CPU, where a prompt is bound by arithmetic,
+about a third of one (SmolLM2-135M, docs/benchmarks.md).
 
 Two uses (config: ``prefill_step_seconds``, ``decode_slowdown``):
 - ``tokens_within(s)``: how many prompt tokens keep a step within ``s`` seconds.
 - A credit that lets pieces of long prompts slow running decodes by at most ``slowdown`` times
-  on average: each step of decodes earns ``(slowdown - 1)`` decode steps' time and pays the time
-  its prompt tokens added; while the credit is negative, pieces of long prompts wait.
+  on average: each step of decodes earns ``(slowdown - 1)`` times its decode part (a step of
+  decodes alone: its measured time, so a machine slowed from outside slows both sides alike) and
+  pays the time its prompt tokens added; while the credit is negative, pieces of long prompts wait.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
-ALPHA = 0.3  # the newest step's weight in the moving averages
+# The last few measurements of each kind are kept and the least is believed: a step runs slower
+# than its work for outside reasons (other processes on the cores, a kernel's first call), never
+# faster. (On a loaded 2-core VM one step of decodes alone took 1.7 s, the next ones 5-8 ms.)
+WINDOW = 4
+# While decodes run beside pieces of a long prompt, a step of decodes alone is measured at least
+# this often (the pieces wait one step), so the fixed part follows the batch.
+REFRESH_STEPS = 32
 
 
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else old + ALPHA * (new - old)
+def _window() -> deque[float]:
+    return deque(maxlen=WINDOW)
 
 
 @dataclass
 class StepCosts:
     slowdown: float  # 0: no limit on the decodes' slowdown
-    decode_s: float | None = None  # a step of decodes alone (None: none measured yet)
-    token_s: float | None = None  # each prompt token a step feeds on top of that
+    decode_times: deque[float] = field(default_factory=_window)  # steps of decodes alone
+    token_times: deque[float] = field(default_factory=_window)  # a prompt token, beside the fixed part
     credit: float = 0.0  # seconds of prompt work the decodes may still take on; < 0: pieces wait
+    since_decode: int = 0  # steps with prompt tokens since the last step of decodes alone
+
+    @property
+    def decode_s(self) -> float | None:
+        """A step of decodes alone (None: none measured yet)."""
+        return min(self.decode_times) if self.decode_times else None
+
+    @property
+    def token_s(self) -> float | None:
+        """Each prompt token a step feeds on top of the fixed part (None: none measured yet)."""
+        return min(self.token_times) if self.token_times else None
 
     def observe(self, seconds: float, prompt_tokens: int, decodes: int) -> None:
         """A step took ``seconds``: it fed ``prompt_tokens`` prompt tokens (prompt pieces, a jump's
         forced tokens) and ``decodes`` decode rows."""
-        extra = 0.0
+        fixed, extra = seconds, 0.0
         if prompt_tokens:
-            extra = max(seconds - (self.decode_s or 0.0), 0.0)
-            self.token_s = _average(self.token_s, extra / prompt_tokens)
+            fixed = min(self.decode_s or 0.0, seconds)
+            extra = seconds - fixed
+            if extra > 0:  # (no longer than the fixed part: it says nothing of the tokens)
+                self.token_times.append(extra / prompt_tokens)
+            self.since_decode += 1
         elif decodes:
-            self.decode_s = _average(self.decode_s, seconds)
+            self.decode_times.append(seconds)
+            self.since_decode = 0
         if decodes and self.slowdown and self.decode_s is not None:
-            allowance = (self.slowdown - 1) * self.decode_s
-            self.credit = min(self.credit + allowance - extra, allowance)
+            cap = (self.slowdown - 1) * self.decode_s  # (no more than a step's worth saved up)
+            self.credit = min(self.credit + (self.slowdown - 1) * fixed - extra, cap)
 
     @property
     def pieces_may_run(self) -> bool:
-        """Whether a step of running decodes may also take pieces of long prompts now."""
-        return not self.slowdown or self.credit >= 0
+        """Whether a step of running decodes may also take pieces of long prompts now: not while
+        the decodes are owed time, nor when a step of decodes alone is due to be measured (fewer
+        than WINDOW measured yet, or none for REFRESH_STEPS steps)."""
+        if not self.slowdown:
+            return True
+        due = len(self.decode_times) < WINDOW or self.since_decode >= REFRESH_STEPS
+        return not due and self.credit >= 0
 
     def tokens_within(self, seconds: float) -> int | None:
-        """Prompt tokens a step is expected to feed within ``seconds`` (beside a step's fixed part);
-        None while no prompt was measured, or when prompt tokens measured free (a frozen clock)."""
-        if not self.token_s:
+        """Prompt tokens a step is expected to feed within ``seconds`` (beside its fixed part);
+        None while no prompt token was measured."""
+        token_s = self.token_s
+        if token_s is None:
             return None
-        return max(int((seconds - (self.decode_s or 0.0)) / self.token_s), 0)
+        return max(int((seconds - (self.decode_s or 0.0)) / token_s), 0)

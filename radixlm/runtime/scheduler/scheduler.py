@@ -130,7 +130,8 @@ class Scheduler:
         self.graph_room = graph_room
         self.clock = clock
         self.costs = StepCosts(config.decode_slowdown)
-        self._timed: tuple[list[Scheduled], float] | None = None  # the step in flight, and when it was scheduled
+        # the step in flight (its parts by id, and the parts), and when it was scheduled
+        self._timed: tuple[set[int], list[Scheduled], float] | None = None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.free_rows = list(range(config.max_running_requests - 1, -1, -1))
@@ -270,7 +271,11 @@ class Scheduler:
         alone = not decoding and len(prefilling) + len(self.waiting) == 1
         tokens = max(self.prefill_budget, self.config.max_prefill_tokens) if alone else self.prefill_budget
         seconds = self.config.prefill_step_seconds
-        fit = self.costs.tokens_within(seconds) if seconds else None
+        if not seconds:
+            return tokens
+        if self.costs.token_s is None:  # nothing measured yet: no step longer than the chunk
+            return min(tokens, self.prefill_budget)
+        fit = self.costs.tokens_within(seconds)
         return tokens if fit is None else min(tokens, max(fit, MIN_TIMED_PIECE))
 
     def abort(self, rid: str) -> Request | None:
@@ -293,7 +298,7 @@ class Scheduler:
         # KV held for later (fork prefixes, session pins) never starves live requests: reclaim it until work fits
         while not out and self.has_work and self._reclaim():
             out = self._schedule()
-        self._timed = (out, start) if out else None
+        self._timed = ({id(s) for s in out}, out, start) if out else None
         return out
 
     def _reclaim(self) -> bool:
@@ -312,7 +317,10 @@ class Scheduler:
         prefilling = [r for r in self.running if not r.is_decoding]
         out = [self._step(r, 1, prefill=False) for r in self._make_room_for_decode(decoding)]
         budget = self._step_budget(decoding, prefilling)
-        pieces = not out or self.costs.pieces_may_run
+        generating = bool(out) or any(r.output_ids for r in prefilling)  # (a jump's extend is generating too)
+        pieces = not generating or self.costs.pieces_may_run
+        # past their prompt, a jump's forced tokens (or a resumed request's context) go with the decodes
+        budget = self._feed([r for r in prefilling if r.output_ids], budget, out)
         if self.waiting and budget > 0 and self.free_rows and (prefilling or not pieces):
             # prompts that fit this step whole go before the pieces of longer ones
             whole = self._admit(budget, self._room(out), whole=True)
@@ -320,17 +328,23 @@ class Scheduler:
             out += whole
         if not pieces:  # the decodes are owed time: long prompts wait
             return out
-        for req in prefilling:  # a prompt already in flight (chunked) continues
-            if budget <= 0:
-                return out
-            s = self._prefill_chunk(req, budget)
-            if s is None:
-                return out
-            budget -= len(s.seq.token_ids)
-            out.append(s)
+        budget = self._feed([r for r in prefilling if not r.output_ids], budget, out)  # prompts in flight
         if self.waiting and budget > 0 and self.free_rows:
             out.extend(self._admit(budget, self._room(out)))
         return out
+
+    def _feed(self, reqs: Sequence[Request], budget: int, out: list[Scheduled]) -> int:
+        """Append the next piece of each of reqs (running) to out while the budget and the KV last;
+        the budget left (0 once the KV ran out: nothing more is fed this step)."""
+        for req in reqs:
+            if budget <= 0:
+                return 0
+            s = self._prefill_chunk(req, budget)
+            if s is None:
+                return 0
+            budget -= len(s.seq.token_ids)
+            out.append(s)
+        return budget
 
     def _room(self, step: Sequence[Scheduled]) -> int | None:
         return None if self.graph_room is None else self.graph_room.left(step)
@@ -349,9 +363,11 @@ class Scheduler:
             elif self.cache.shares_prefixes:  # the step's tokens, not a slot queued ahead since
                 self._cache_prefix(req, upto=s.seq.cached_len + len(s.seq.token_ids))
         timed, self._timed = self._timed, None
-        if timed is not None and timed[0] is step:  # (a step queued ahead was not timed from its start)
-            prompt = sum(len(s.seq.token_ids) for s in step if s.prefill)
-            self.costs.observe(self.clock() - timed[1], prompt, sum(not s.prefill for s in step))
+        # the step scheduled last (less any part that failed); a step queued ahead was not timed from its start
+        if timed is not None and step and all(id(s) in timed[0] for s in step):
+            parts = timed[1]
+            prompt = sum(len(s.seq.token_ids) for s in parts if s.prefill)
+            self.costs.observe(self.clock() - timed[2], prompt, sum(not s.prefill for s in parts))
 
     # -- programs ------------------------------------------------------------------------
     def end_program(self, program_id: str) -> None:

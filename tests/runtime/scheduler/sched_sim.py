@@ -56,8 +56,11 @@ class Sim:
         step_seconds: Callable[[list[Scheduled]], float] | None = None,
         **sched_kwargs,
     ) -> None:
-        """``step_seconds``: what a step takes on the scheduler's clock (default: nothing, a frozen
-        clock, so the step-time limits never bind)."""
+        """``step_seconds``: what a step takes on the scheduler's clock. Without it the clock stands
+        still and measures nothing, so the limits that need measured costs default to off
+        (``prefill_step_seconds``, ``decode_slowdown``)."""
+        if step_seconds is None:
+            sched_kwargs = {"prefill_step_seconds": 0, "decode_slowdown": 0, **sched_kwargs}
         self.allocator = SlotAllocator(num_slots)
         cache_cls = {"radix": RadixCache, "none": NoCache}[cache]
         self.cache = cache_cls(self.allocator, page_size)

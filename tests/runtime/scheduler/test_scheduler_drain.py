@@ -64,8 +64,19 @@ def workloads(draw, tight: bool = False):
         lpm_max_queue=draw(st.sampled_from([128, 4])),
         init_new_token_ratio=init_ratio,
         min_new_token_ratio=min_ratio,
+        # measured step costs: a frozen clock, or a fixed part of 1 s and a cost per prompt token
+        step_seconds=draw(st.sampled_from([None, paced(0.0625), paced(0.5), paced(3.0)])),
+        decode_slowdown=draw(st.sampled_from([0, 1.5, 3.0])),
+        prefill_step_seconds=draw(st.sampled_from([0, 0.1, 4.0])),
     )
     return cache, page_size, pool, config, reqs
+
+
+def paced(token_s: float):
+    def seconds(step) -> float:
+        return 1.0 + token_s * sum(len(s.seq.token_ids) for s in step if s.prefill)
+
+    return seconds
 
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
