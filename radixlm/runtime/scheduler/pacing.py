@@ -1,28 +1,30 @@
 """What the engine's steps cost, measured as they run, and the prompt work they may take.
 
 A step is modeled as a fixed part, the time of a step of decodes alone (on a small batch,
-mostly reading the weights), plus a cost for each prompt token fed on top of it. Both come from
-the last few steps measured, so they follow the model, the device, the depth of the prompt in
-flight and the batch: no constant in here is a property of one device. On a GPU a prompt token
+mostly reading the weights), plus a cost for each prompt token fed on top of it. Both are the
+median of the last few steps measured, so they follow the model, the device, the depth of the
+prompt in flight, the batch and the machine's load, and one step slowed from outside (another
+process on the cores) moves neither: no constant in here is a property of one device. On a GPU a prompt token
 costs a small fraction of a decode step; on a 2-core CPU, where a prompt is bound by arithmetic,
 about a third of one (SmolLM2-135M, docs/benchmarks.md).
 
 Two uses (config: ``prefill_step_seconds``, ``decode_slowdown``):
 - ``tokens_within(s)``: how many prompt tokens keep a step within ``s`` seconds.
 - A credit that lets pieces of long prompts slow running decodes by at most ``slowdown`` times
-  on average: each step of decodes earns ``(slowdown - 1)`` times its decode part (a step of
-  decodes alone: its measured time, so a machine slowed from outside slows both sides alike) and
-  pays the time its prompt tokens added; while the credit is negative, pieces of long prompts wait.
+  on average: each step of decodes earns ``(slowdown - 1)`` times the fixed part and pays what
+  its prompt tokens cost; while the credit is negative, pieces of long prompts wait. What is owed
+  is owed to the decodes running: a step with none forgives it.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-# The last few measurements of each kind are kept and the least is believed: a step runs slower
-# than its work for outside reasons (other processes on the cores, a kernel's first call), never
-# faster. (On a loaded 2-core VM one step of decodes alone took 1.7 s, the next ones 5-8 ms.)
+# The last few measurements of each kind are kept, and their median believed: on a loaded 2-core
+# VM one step of decodes alone took 1.7 s and the next ones 5-8 ms; a 73-token piece 4.1 s, its
+# neighbours 0.1-0.2 s (charged as measured, that one step held the pieces back for 4 s).
 WINDOW = 4
 # While decodes run beside pieces of a long prompt, a step of decodes alone is measured at least
 # this often (the pieces wait one step), so the fixed part follows the batch.
@@ -44,29 +46,32 @@ class StepCosts:
     @property
     def decode_s(self) -> float | None:
         """A step of decodes alone (None: none measured yet)."""
-        return min(self.decode_times) if self.decode_times else None
+        return statistics.median(self.decode_times) if self.decode_times else None
 
     @property
     def token_s(self) -> float | None:
         """Each prompt token a step feeds on top of the fixed part (None: none measured yet)."""
-        return min(self.token_times) if self.token_times else None
+        return statistics.median(self.token_times) if self.token_times else None
 
     def observe(self, seconds: float, prompt_tokens: int, decodes: int) -> None:
         """A step took ``seconds``: it fed ``prompt_tokens`` prompt tokens (prompt pieces, a jump's
         forced tokens) and ``decodes`` decode rows."""
-        fixed, extra = seconds, 0.0
         if prompt_tokens:
-            fixed = min(self.decode_s or 0.0, seconds)
-            extra = seconds - fixed
-            if extra > 0:  # (no longer than the fixed part: it says nothing of the tokens)
+            # (before the fixed part is known, or no longer than it, a step says nothing of the tokens)
+            extra = seconds - (self.decode_s if self.decode_s is not None else seconds)
+            if extra > 0:
                 self.token_times.append(extra / prompt_tokens)
             self.since_decode += 1
         elif decodes:
             self.decode_times.append(seconds)
             self.since_decode = 0
-        if decodes and self.slowdown and self.decode_s is not None:
-            cap = (self.slowdown - 1) * self.decode_s  # (no more than a step's worth saved up)
-            self.credit = min(self.credit + (self.slowdown - 1) * fixed - extra, cap)
+        if not decodes:
+            self.credit = max(self.credit, 0.0)
+            return
+        decode_s, token_s = self.decode_s, self.token_s
+        if self.slowdown and decode_s is not None:
+            allowance = (self.slowdown - 1) * decode_s  # (also the most saved up)
+            self.credit = min(self.credit + allowance - prompt_tokens * (token_s or 0.0), allowance)
 
     @property
     def pieces_may_run(self) -> bool:

@@ -151,12 +151,18 @@ def test_a_prompt_alone_takes_what_runs_within_prefill_step_seconds(limit, piece
     sim.check_idle()
 
 
-def test_a_first_prompt_alone_takes_the_chunk_before_any_cost_is_known():
+def test_a_prompt_alone_takes_the_chunk_before_any_cost_is_known():
+    """A prompt token's cost is known once a step of decodes alone was measured (the fixed part)
+    and then a step with prompt tokens; until then a step feeds at most the chunk."""
     sim = Sim(1000, chunked_prefill_size=16, max_prefill_tokens=64, prefill_step_seconds=0.001,
               step_seconds=cost(0.0625))
-    sim.add("solo", prompt(100), 2)
+    sim.add("first", prompt(100), 2)
     sim.run()
-    assert [len(s.seq.token_ids) for _, s in prefill_steps(sim, "solo")] == [16, 32, 32, 20]  # then MIN_TIMED_PIECE
+    assert [len(s.seq.token_ids) for _, s in prefill_steps(sim, "first")] == [16] * 6 + [4]
+    assert sim.sched.costs.token_s is None and sim.sched.costs.decode_s == DECODE_S
+    sim.add("second", prompt(100, 1), 2)
+    sim.run()
+    assert [len(s.seq.token_ids) for _, s in prefill_steps(sim, "second")] == [16, 32, 32, 20]  # then MIN_TIMED_PIECE
 
 
 def test_pieces_wait_for_a_step_of_decodes_alone_to_be_measured():
@@ -174,26 +180,27 @@ def test_pieces_wait_for_a_step_of_decodes_alone_to_be_measured():
     assert_outputs_match_reference(sim)
 
 
-def test_step_costs_believe_the_least_of_the_last_measurements():
+def test_step_costs_believe_the_median_of_the_last_measurements():
+    assert WINDOW == 4
     costs = StepCosts(3.0)
-    costs.observe(2.0, prompt_tokens=4, decodes=0)  # no fixed part known: all of it counts as the tokens'
-    assert (costs.decode_s, costs.token_s, costs.credit) == (None, 0.5, 0.0)
+    costs.observe(2.0, prompt_tokens=4, decodes=0)  # no fixed part known: the tokens' share unknown
+    assert (costs.decode_s, costs.token_s, costs.credit) == (None, None, 0.0)
     assert not costs.pieces_may_run  # no step of decodes alone measured yet
-    costs.observe(7.0, prompt_tokens=0, decodes=3)  # slowed from outside
-    costs.observe(1.0, prompt_tokens=0, decodes=3)
+    for seconds in (1.0, 1.0, 7.0):  # one slowed from outside
+        costs.observe(seconds, prompt_tokens=0, decodes=3)
     assert (costs.decode_s, costs.credit) == (1.0, 2.0)
     assert not costs.pieces_may_run  # fewer than WINDOW steps of decodes alone measured
-    for _ in range(WINDOW - 2):
-        costs.observe(1.25, prompt_tokens=0, decodes=3)
-    assert costs.decode_s == 1.0 and costs.pieces_may_run
-    costs.observe(9.0, prompt_tokens=16, decodes=3)
+    costs.observe(1.0, prompt_tokens=0, decodes=3)
+    assert costs.pieces_may_run
+    costs.observe(9.0, prompt_tokens=16, decodes=3)  # 16 tokens beside the fixed part took 8 s
     assert (costs.token_s, costs.credit) == (0.5, -4.0) and not costs.pieces_may_run
+    costs.observe(41.0, prompt_tokens=16, decodes=0)  # slowed from outside; nothing decodes: the debt is forgiven
+    assert (costs.token_s, costs.credit) == (1.5, 0.0)
+    costs.observe(9.0, prompt_tokens=16, decodes=3)
+    assert costs.token_s == 0.5 and costs.credit == 2.0 - 16 * 0.5  # the median, not the slowed step, is charged
     assert costs.tokens_within(5.0) == 8
-    for _ in range(WINDOW):
-        costs.observe(2.0, prompt_tokens=0, decodes=3)
-    assert costs.decode_s == 2.0  # the 1 s step left the window
-    costs.observe(1.5, prompt_tokens=8, decodes=3)  # no longer than the fixed part: the tokens unmeasured
-    assert costs.token_s == 0.5
+    costs.observe(0.5, prompt_tokens=8, decodes=3)  # no longer than the fixed part: the tokens unmeasured
+    assert len(costs.token_times) == 3
 
 
 def test_a_step_of_decodes_alone_is_measured_every_refresh_steps():
