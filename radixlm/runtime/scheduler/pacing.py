@@ -4,9 +4,10 @@ A step is modeled as a fixed part, the time of a step of decodes alone (on a sma
 mostly reading the weights), plus a cost for each prompt token fed on top of it. Both are the
 median of the last few steps measured, so they follow the model, the device, the depth of the
 prompt in flight, the batch and the machine's load, and one step slowed from outside (another
-process on the cores) moves neither: no constant in here is a property of one device. On a GPU a prompt token
-costs a small fraction of a decode step; on a 2-core CPU, where a prompt is bound by arithmetic,
-about a third of one (SmolLM2-135M, docs/benchmarks.md).
+process on the cores) moves neither: no constant in here is a property of one device. On a GPU
+a prompt token costs a small fraction of a decode step; on a 2-core CPU, where a prompt is bound
+by arithmetic, a fifth to a third of one (SmolLM2-135M on a Zen 5: 0.6-1 ms a prompt token,
+~3 ms a step of one decode).
 
 Two uses (config: ``prefill_step_seconds``, ``decode_slowdown``):
 - ``tokens_within(s)``: how many prompt tokens keep a step within ``s`` seconds.

@@ -75,7 +75,8 @@ def test_a_machine_slowed_from_outside_does_not_starve_the_pieces():
     """Every step runs 10x slower than when the fixed part was measured (other processes on the
     cores): the decodes' own steps earn 10x more too, so the pieces come about as often."""
     load = [1.0]
-    sim = Sim(2000, chunked_prefill_size=16, prefill_step_seconds=0, step_seconds=lambda step: load[0] * cost(0.5)(step))
+    sim = Sim(2000, chunked_prefill_size=16, prefill_step_seconds=0, decode_slowdown=3,
+              step_seconds=lambda step: load[0] * cost(0.5)(step))
     sim.add("dec", prompt(5), 300)
     for _ in range(1 + WINDOW):
         sim.step()
