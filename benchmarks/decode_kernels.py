@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import triton
-
 from gemv import graph_us  # benchmarks/gemv.py, beside this script
 
 from radixlm.runtime.kernels import fused

@@ -16,12 +16,11 @@ import argparse
 import itertools
 import json
 import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-
 from gpu import hbm_copy_gbps  # benchmarks/gpu.py, beside this script
 
 from radixlm.runtime.kernels.gemv import GemvConfig, gemv, linear_rows

@@ -85,7 +85,7 @@ def phases(engine: Engine, chats: list, mode: str) -> dict[str, float]:
     (the device's share), the output path (grammar accept, text, stops), masking (of which the
     grammar engine's fill and the apply), and the rest (scheduling, launching the forward and
     the sampling)."""
-    from radixlm.runtime import grammar_stage
+    from radixlm.runtime.constrained import stage as grammar_stage
 
     core = engine.core
     spent: dict[str, float] = {"wait": 0.0, "output": 0.0, "mask": 0.0, "fill": 0.0, "apply": 0.0}

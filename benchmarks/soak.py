@@ -620,7 +620,7 @@ def main() -> int:
     s = ap.parse_args()
     if s.launch == (s.url is not None):
         ap.error("give exactly one of --url or --launch")
-    report: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                               "command": shlex.join([Path(sys.executable).name, *sys.argv]),
                               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
     t0 = time.perf_counter()

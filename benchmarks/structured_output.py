@@ -84,7 +84,7 @@ def run_mode(engine: Engine, chats: list, params: dict, batched: bool) -> dict:
         "forward_passes_per_output": passes / len(outs),
         "tokens_per_output": tokens / len(outs),
         "grammar_us_per_token": core.grammar.seconds / max(tokens, 1) * 1e6,
-        # where it goes (radixlm.runtime.grammar_stage.PHASES)
+        # where it goes (radixlm.runtime.constrained.stage.PHASES)
         "grammar_us_per_token_by_phase": {k: v / max(tokens, 1) * 1e6 for k, v in core.grammar.phase_seconds.items()},
         "valid": sum(_valid(o["text"]) for o in outs),
         "n": len(outs),

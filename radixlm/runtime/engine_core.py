@@ -23,6 +23,7 @@ from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.constrained.registry import check_grammar_backend
 from radixlm.runtime.constrained.service import GrammarService
+from radixlm.runtime.constrained.stage import GrammarStage
 from radixlm.runtime.cuda_graph import GRAPH_EXTEND_TOKENS
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.distributed import init_tp_group, tp_device, worker
@@ -31,7 +32,6 @@ from radixlm.runtime.distributed.step import StepChannel
 from radixlm.runtime.engine_build import build_runner, check_parallel, context_length, model_source, number_formats
 from radixlm.runtime.engine_report import engine_info, integrity_report
 from radixlm.runtime.faults import FaultBoundary
-from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.model.source import ModelSource
 from radixlm.runtime.output_processor import Decision, Finish, OutputProcessor, RequestOutput, Rewind
@@ -39,7 +39,7 @@ from radixlm.runtime.overlap import OverlapSchedule, StepRun
 from radixlm.runtime.phase_clock import PhaseClock
 from radixlm.runtime.radix_cache import CACHES, IntegrityError, SlotAllocator
 from radixlm.runtime.request import EngineRequest
-from radixlm.runtime.sampling_stage import SamplingStage, add_input_logprobs, request_generator
+from radixlm.runtime.sampling.stage import SamplingStage, add_input_logprobs, request_generator
 from radixlm.runtime.scheduler import GraphRoom, Scheduled, Scheduler, Status
 from radixlm.runtime.sessions import SessionManager, prepended_bos
 from radixlm.runtime.stop import StopMatcher

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.runtime.constrained.jump_forward import JumpPolicy
+from radixlm.runtime.constrained.stage import GrammarStage
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.faults import FaultBoundary
-from radixlm.runtime.grammar_stage import GrammarStage
 from radixlm.runtime.request import EngineRequest
 from radixlm.runtime.scheduler import Scheduler, Status
 from radixlm.runtime.stop import StopRegexTimeout

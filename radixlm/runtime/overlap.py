@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.runtime.batch import SeqStep
+from radixlm.runtime.constrained.stage import GrammarStage
 from radixlm.runtime.faults import FaultBoundary, is_fatal
-from radixlm.runtime.grammar_stage import GrammarStage
-from radixlm.runtime.kernels.sampling import sample_tokens
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output_processor import RequestOutput
 from radixlm.runtime.request import EngineRequest
-from radixlm.runtime.sampling_stage import SamplingStage
+from radixlm.runtime.sampling.sampler import sample_tokens
+from radixlm.runtime.sampling.stage import SamplingStage
 from radixlm.runtime.scheduler import Scheduled, Scheduler, Status
 
 log = logging.getLogger("radixlm.engine")

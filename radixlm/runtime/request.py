@@ -17,7 +17,7 @@ from radixlm.runtime.stop import StopMatcher
 
 if TYPE_CHECKING:
     from radixlm.runtime.constrained.grammar import GrammarMatcher
-    from radixlm.runtime.kernels.sampling import RowGenerator
+    from radixlm.runtime.sampling.sampler import RowGenerator
 
 
 @dataclass(eq=False, kw_only=True)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from radixlm.runtime.kernels.sampling import (
+from radixlm.runtime.sampling.sampler import (
     SamplingBatch,
     apply_penalties_and_blocks,
     filtered_probs,

@@ -10,9 +10,9 @@ import random
 import numpy as np
 import pytest
 
+from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, allowed_tokens
 from radixlm.runtime.constrained.grammar import GrammarConfig, accept_tokens, fill_masks
-from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.registry import GRAMMAR_BACKENDS
 from radixlm.runtime.constrained.service import grammar_config
 

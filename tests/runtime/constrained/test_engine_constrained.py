@@ -7,7 +7,6 @@ import ipaddress
 import json
 import re
 from enum import Enum
-from typing import Optional
 
 import jsonschema
 import pytest
@@ -30,7 +29,7 @@ class Color(str, Enum):
 class Address(BaseModel):
     street: str
     city: str
-    zip_code: Optional[str] = None
+    zip_code: str | None = None
 
 
 class Person(BaseModel):
@@ -39,7 +38,7 @@ class Person(BaseModel):
     favorite_color: Color
     hobbies: list[str]
     address: Address
-    nickname: Optional[str] = None
+    nickname: str | None = None
 
 
 def _chat(text: str) -> list[dict[str, str]]:

@@ -194,7 +194,6 @@ def test_cache_is_bounded(vocab):
 def test_pydantic_model(smol_tokenizer, backend):
     pydantic = pytest.importorskip("pydantic", reason="pydantic is not installed")
     from enum import Enum
-    from typing import List, Optional
 
     class Color(str, Enum):
         red = "red"
@@ -206,8 +205,8 @@ def test_pydantic_model(smol_tokenizer, backend):
 
     class Owner(pydantic.BaseModel):
         name: str
-        pets: List[Pet]
-        nickname: Optional[str] = None
+        pets: list[Pet]
+        nickname: str | None = None
 
     g = backend.compile("json_schema", Owner)
     assert backend.compile("json_schema", Owner) is g

@@ -1,4 +1,4 @@
-"""The grammar stage (radixlm/runtime/grammar_stage.py). A greedy row whose drawn token its grammar
+"""The grammar stage (radixlm/runtime/constrained/stage.py). A greedy row whose drawn token its grammar
 refuses tries its next-best tokens before a mask (GrammarStage.rejected): the token it takes is the
 masked row's argmax, ties included; a stop token among them, or none allowed, leaves the row to its
 mask; the logits stay as they were. The grammar service is built off the step loop."""
@@ -16,7 +16,7 @@ from matcher_helpers import _feed, _ids, _mask
 from radixlm.runtime.config import ConstraintConfig
 from radixlm.runtime.constrained.bitmask import allocate_bitmask, apply_bitmask_
 from radixlm.runtime.constrained.service import GrammarService
-from radixlm.runtime.grammar_stage import NEXT_BEST_TRIES, GrammarStage
+from radixlm.runtime.constrained.stage import NEXT_BEST_TRIES, GrammarStage
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 import jsonschema
-
 import pytest
 from matcher_helpers import _feed, _ids
 

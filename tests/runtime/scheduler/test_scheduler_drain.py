@@ -12,7 +12,7 @@ from sched_sim import Sim, expected_prompt_logits, reference_output
 from radixlm.runtime.scheduler import ProgramTag
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def alone_output(prompt: tuple[int, ...], max_new: int, cache: str, page_size: int) -> tuple[list[int], str]:
     """The request run alone on a fresh scheduler with a pool that fits it."""
     sim = Sim(len(prompt) + max_new + 1, cache=cache, page_size=page_size)

@@ -20,6 +20,7 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from json_tree import json_objects
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -27,7 +28,6 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from json_tree import json_objects
 from server_harness import Server, start_server
 
 pytestmark = pytest.mark.slow

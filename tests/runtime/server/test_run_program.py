@@ -13,9 +13,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from dsl_programs import forked
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from dsl_programs import forked
 from server_harness import read_sse, start_server
 
 import radixlm as rl

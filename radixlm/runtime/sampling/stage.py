@@ -10,9 +10,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from radixlm.runtime.constrained.stage import GrammarStage
 from radixlm.runtime.faults import FaultBoundary
-from radixlm.runtime.grammar_stage import GrammarStage
-from radixlm.runtime.kernels.sampling import (
+from radixlm.runtime.output_processor import RequestOutput
+from radixlm.runtime.request import EngineRequest
+from radixlm.runtime.sampling.sampler import (
     RowGenerator,
     SamplingBatch,
     make_generator,
@@ -20,8 +22,6 @@ from radixlm.runtime.kernels.sampling import (
     token_logprobs,
     with_logprobs,
 )
-from radixlm.runtime.output_processor import RequestOutput
-from radixlm.runtime.request import EngineRequest
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduled
 
