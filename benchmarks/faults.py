@@ -27,7 +27,8 @@ from typing import Any
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime" / "server"))
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "runtime" / "server")]
 from server_harness import Server, next_event, read_sse, start_server  # noqa: E402
 from test_server_faults import GREEDY, LONG, drain, rss_mib, stuck_stream  # noqa: E402
 

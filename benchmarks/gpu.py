@@ -34,7 +34,7 @@ import torch
 
 from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.engine import Engine
-from radixlm.runtime.kernels.kv_pool import KVPool
+from radixlm.runtime.kv_pool import KVPool
 from radixlm.runtime.model.source import DUMMY_CONFIGS
 
 MODEL = "dummy:llama-3-8b"

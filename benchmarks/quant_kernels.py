@@ -3,7 +3,7 @@
 For each weight [N, K] of SmolLM2-135M (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536,
 LM head 49152x576) and M = 1, 16, 64 rows, times y = x @ W^T with:
 - bf16 / fp32 dense `F.linear`,
-- bf16 dense with the weight packed once for oneDNN (`DenseLinear`, radixlm.runtime.kernels.packed:
+- bf16 dense with the weight packed once for oneDNN (`DenseLinear`, radixlm.runtime.model.dense_linear:
   what a dense bf16 layer and the dense copy of a quantized one run where oneDNN multiplies bf16),
 - int8 weight-only, per-channel scales (`torch.ops.aten._weight_int8pack_mm`),
 - int4 weight-only, group 32 scales and zero points (`_weight_int4pack_mm_for_cpu` on weights
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.kernels.packed import DenseLinear, packs
-from radixlm.runtime.kernels.quant import fp16_available
+from radixlm.runtime.model.dense_linear import DenseLinear, packs
+from radixlm.runtime.model.quant_linear import fp16_available
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 ROWS = (1, 16, 64)

@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.runtime.server.server_harness import Server, start_server  # noqa: E402
+from tests.server_harness import Server, start_server  # noqa: E402
 
 KINDS = ["string", "integer", "boolean", "number"]
 BEHIND_S = 0.1  # the short request leaves this long after the long prompt

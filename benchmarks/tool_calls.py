@@ -23,7 +23,7 @@ import jsonschema
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.runtime.server.server_harness import start_server  # noqa: E402
+from tests.server_harness import start_server  # noqa: E402
 
 TOOLS: list[dict[str, Any]] = [
     {"name": "get_weather", "description": "The current weather in a city", "parameters": {

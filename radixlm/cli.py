@@ -39,7 +39,7 @@ HELP = {
 def _choices() -> dict[str, Sequence[str]]:
     from radixlm.runtime.constrained import GRAMMAR_BACKENDS
     from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS
-    from radixlm.runtime.kernels.quant import QUANT_METHODS
+    from radixlm.runtime.model.quant_linear import QUANT_METHODS
     from radixlm.runtime.radix_cache import CACHES
     from radixlm.runtime.scheduler import POLICIES
 

@@ -58,12 +58,14 @@ def graceful_stop(proc: subprocess.Popen[bytes], wait_s: float = STOP_WAIT_S) ->
     return int(proc.returncode)
 
 
-def poll(what: str, fn: Callable[[], T], deadline_s: float = POLL_DEADLINE_S) -> T:
+def poll(what: str, fn: Callable[[], T], deadline_s: float = POLL_DEADLINE_S,
+         detail: Callable[[], str] | None = None) -> T:
     """Call `fn` until it returns something truthy and return that; an AssertionError naming
-    `what` after `deadline_s`."""
+    `what` after `deadline_s`, followed by what `detail()` says then (a log's tail, the state last seen)."""
     end = time.monotonic() + deadline_s
     while not (got := fn()):
-        assert time.monotonic() < end, f"timed out waiting for {what}"
+        if time.monotonic() >= end:
+            raise AssertionError(f"timed out waiting for {what}" + (f"\n{detail()}" if detail else ""))
         time.sleep(POLL_INTERVAL_S)
     return got
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A token id that stands for the token a request's previous step drew on the device, which the
+# host has not read yet (the overlap schedule): the model runner reads it from its token table
+# by the sequence's row.
+UNSEEN = -1
+
 
 @dataclass(frozen=True)
 class SeqStep:
@@ -14,6 +19,7 @@ class SeqStep:
     retracted), are the slots of positions 0 .. cached_len - 1, which the runner writes into the
     sequence's row of its request->slot table; later steps only append. Logits are returned for
     new tokens logit_start .. end (len(token_ids) asks for none, e.g. a middle prefill chunk).
+    A token id may be UNSEEN (a decode past a token still on the device).
     """
 
     row: int

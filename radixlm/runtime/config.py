@@ -23,7 +23,7 @@ class ModelConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     device: str = "cpu"
-    # auto | none | a name in radixlm.runtime.kernels.quant.QUANT_METHODS (weight-only, CPU only);
+    # auto | none | a name in radixlm.runtime.model.quant_linear.QUANT_METHODS (weight-only, CPU only);
     # auto: the GGUF's 4-bit weights on a bf16 CPU, else none (radixlm.runtime.model.formats)
     quantization: str = "auto"
     # with quantized weights, steps of more rows than this multiply a dense copy kept next to

@@ -243,6 +243,8 @@ class Engine:
                     box = self._boxes.pop(rid, None)
                     if box is not None:
                         box.fail(e)
+                for rid in list(self._boxes):  # (a request the failed step had already ended: its output is lost)
+                    self._boxes.pop(rid).fail(e)
                 return
             for out in outputs:
                 self._deliver(out)

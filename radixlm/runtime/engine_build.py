@@ -15,10 +15,9 @@ import torch
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.cuda_graph import GRAPH_EXTEND_ROWS, graph_buckets
 from radixlm.runtime.distributed import TPGroup, check_devices, check_tp_size
-from radixlm.runtime.kernels.kv_pool import activation_reserve, pool_slots
-from radixlm.runtime.kernels.packed import amx_packing
-from radixlm.runtime.kernels.quant import GGUF_BLOCK_METHODS
+from radixlm.runtime.kv_pool import activation_reserve, pool_slots
 from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.dense_linear import amx_packing
 from radixlm.runtime.model.formats import (
     DtypeChoice,
     QuantChoice,
@@ -31,6 +30,7 @@ from radixlm.runtime.model.formats import (
 from radixlm.runtime.model.gguf_quant import GGUFLinears, four_bit_share
 from radixlm.runtime.model.llama import LlamaModel
 from radixlm.runtime.model.loader import build_model
+from radixlm.runtime.model.quant_linear import GGUF_BLOCK_METHODS
 from radixlm.runtime.model.source import ModelSource, resolve_model
 from radixlm.runtime.model_runner import ModelRunner
 

@@ -1,14 +1,14 @@
 """EngineCore: one engine's step loop, single-threaded.
 
-A step has three phases::
+Every step is built by the scheduler and goes through the same phases::
 
-    run = queued-ahead step  or  schedule() -> run(): forward, grammar masks, sampling
-    queue the next decode step's forward on the device (the overlap schedule), if it may
-    process(run): its tokens to the host -> output processing (text, stops, finishing)
-    a queued step with constrained rows: fill their masks (the forward runs meanwhile), sample
+    schedule -> forward -> draw (masks, sampling) -> process (text, stops, finishing)
 
-The plain loop and the overlap loop are the same phases; the overlap loop only runs the second
-and the fourth. The in-process Engine drives `step()` from its callers; the server from its own process.
+The overlap schedule (on CUDA by default) only orders them differently: a step is scheduled and
+its forward queued while the step before is still in flight, whose tokens the host processes
+meanwhile; decodes past a token the host has not read yet read it on the device (the model
+runner's token table). The in-process Engine drives `step()` from its callers; the server from
+its own process.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from radixlm.runtime.faults import FaultBoundary
 from radixlm.runtime.intake import Submission
 from radixlm.runtime.model.source import ModelSource
 from radixlm.runtime.output_processor import Decision, Finish, OutputProcessor, RequestOutput, Rewind
-from radixlm.runtime.overlap import OverlapSchedule, StepRun
 from radixlm.runtime.phase_clock import PhaseClock
 from radixlm.runtime.radix_cache import CACHES, IntegrityError, SlotAllocator
 from radixlm.runtime.request import EngineRequest
 from radixlm.runtime.sampling.stage import SamplingStage, add_input_logprobs, request_generator
 from radixlm.runtime.scheduler import GraphRoom, Scheduled, Scheduler, Status
 from radixlm.runtime.sessions import SessionManager, prepended_bos
+from radixlm.runtime.step_run import StepRun
 from radixlm.runtime.stop import StopMatcher
 from radixlm.runtime.tokenizer_loader import load_tokenizer
 from radixlm.runtime.warm_up import measure_jump_cost, run_warm_up
@@ -49,10 +49,10 @@ from radixlm.runtime.warm_up import measure_jump_cost, run_warm_up
 __all__ = ["EngineCore", "RequestOutput"]
 
 # Where the step loop's time goes (EngineCore.step_seconds, /get_server_info): picking the work,
-# the forward pass (its launch on CUDA), masks and sampling, queueing the next step ahead (the
-# overlap schedule), waiting for the tokens on the host, making outputs; and, in the engine
+# the forward pass (its launch on CUDA), masks and sampling, waiting for the tokens on the host,
+# making outputs; and, in the engine
 # process, taking in messages and sending outputs.
-STEP_PHASES = ("schedule", "forward", "sample", "ahead", "wait", "process", "intake", "send")
+STEP_PHASES = ("schedule", "forward", "sample", "wait", "process", "intake", "send")
 
 
 class EngineCore:
@@ -109,8 +109,9 @@ class EngineCore:
         self.sampling = SamplingStage(self.grammar, self.faults, arch.vocab_size, self.device, self._fail,
                                       self.output.fail)
         self.requests: dict[str, EngineRequest] = {}
-        self.ahead = OverlapSchedule(self.scheduler, self.runner, self.grammar, self.sampling, self.faults,
-                                     self.requests, self.context_length)
+        self.in_flight: StepRun | None = None  # the step whose tokens the host reads next (overlap schedule)
+        self.ahead_steps = 0  # steps run while the one before was in flight (overlap schedule)
+        self.ahead_extends = 0  # their jump-forward extends (and resumed contexts)
         self.steps = 0
         self.prompt_steps = 0  # steps that fed some prompt (or a jump's forced tokens), not only decodes
         self.rows_fed = 0  # the steps' sequences in all: over steps, the mean batch
@@ -158,7 +159,7 @@ class EngineCore:
 
     def _jump_cap(self) -> int | None:
         """--jump-forward-max-running, or its default: on CUDA with the overlap schedule, jumps
-        only while one request runs. A jump's extend step is queued ahead with the batch's next
+        only while one request runs. A jump's extend step runs with the batch's next
         decodes, but at bs16 and bs64 on an H100 the host, not the GPU, sets the pace of a
         constrained step there, and planning jumps (the forced text after every token) costs more
         host time than the passes they spare (docs/structured-output.md)."""
@@ -233,24 +234,38 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.grammar.compiling or self.ahead.run is not None
+        return (self.scheduler.has_work or self.grammar.compiling
+                or (self.in_flight is not None and self.in_flight.live))
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one forward pass (or take the one queued ahead); what each
-        request gained."""
+        """One step: schedule, forward, draw, process. With the overlap schedule the step before
+        is processed while this one's forward runs on the device (first, when a request's next
+        draw needs its newest token on the host), and this one next time (radixlm.runtime.step_run)."""
         outputs = self._admit_compiled() if self.grammar.compiling else []
         self.sessions.expire()
-        run, self.ahead.run = self.ahead.run or self._schedule_and_run(), None
+        before, self.in_flight = self.in_flight, None
+        if before is not None and self.scheduler.needs_host():
+            outputs, before = outputs + self._process(before), None
+        run = self._run(overlapped=before is not None)
+        if before is not None:
+            outputs += self._process(before)
         if run is not None:
-            with self.clock("ahead"):
-                self.ahead.queue(run, self.overlap)
-            outputs += self._process(run)
-        if self.ahead.forward is not None:
-            with self.clock("sample"):
-                self.ahead.sample()
-        outputs += self._ended_elsewhere()
-        if self.faults.unchecked:  # a fault was contained: what every request shares must be intact
+            self._draw(run)  # (drawn already unless a mask waited for the step before)
+            outputs += run.take_ended()
+            if self.overlap:
+                self.in_flight = run
+            else:
+                outputs += self._process(run)
+        return self._end_step(outputs)
+
+    def _end_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Finished requests leave, those the scheduler ended on its own too (max_new_tokens=0, out
+        of memory); after a contained fault, what every request shares must be intact."""
+        outputs = [self._end(o) if o.finished else o for o in outputs]
+        done = [r for r in self.requests.values() if r.status is Status.FINISHED]
+        outputs += [self._end(self.output.finish(r)) for r in done]
+        if self.faults.unchecked:
             self.faults.unchecked = False
             report = self.integrity_report()
             if not report["ok"]:
@@ -288,21 +303,23 @@ class EngineCore:
             outputs.append(self._end(self.output.end_unscheduled(req, "abort", error=error)))
         return outputs
 
-    def _schedule_and_run(self) -> StepRun | None:
-        """Phases 1 and 2: pick the step's work, run the forward pass, mask and sample."""
+    def _run(self, overlapped: bool) -> StepRun | None:
+        """Schedule the step; its forward pass, its prompts' logprobs, and the draw of its rows
+        that sample, unless a constrained row's mask waits for the host to read the token before
+        it. ``overlapped``: the step before is still in flight."""
         with self.clock("schedule"):
             scheduled = self.scheduler.schedule()  # unpins sessions, oldest first, when work would not fit
         if not scheduled:
             return None
-        ended: list[RequestOutput] = []
+        run = StepRun(scheduled)
         with self.clock("forward"):
-            self._count_step(scheduled)
-            scheduled, logits = self._forward(scheduled, ended)
+            self._count_step(scheduled, overlapped)
+            scheduled, logits = self._forward(scheduled, run.ended)
         if logits is None:  # every sequence of the step failed
-            return StepRun([], [], torch.zeros(0, dtype=torch.long, device=self.device), lambda: [], ended=tuple(ended))
-        with self.clock("sample"):  # (the masks fill while the forward runs)
+            run.drawn([], torch.zeros(0, dtype=torch.long, device=self.device), lambda: [], None)
+            return run
+        with self.clock("sample"):
             rows: list[int] = []
-            samplers: list[EngineRequest] = []
             off = 0
             for s in scheduled:
                 req = self.requests[s.req.rid]
@@ -313,21 +330,44 @@ class EngineCore:
                         self.faults.check("logprobs", [req.rid])
                         add_input_logprobs(req, s, logits[off : off + k - (1 if s.samples else 0)])
                     except Exception as e:  # noqa: BLE001 - ends this request only
-                        ended.append(self._fail(req, "logprobs", e))
+                        run.ended.append(self._fail(req, "logprobs", e))
                 if s.samples and req.status is Status.RUNNING:
                     rows.append(off + k - 1)
-                    samplers.append(req)
+                    run.samplers.append(req)
                 off += k
-            if not samplers:
-                return StepRun(scheduled, [], torch.zeros(0, dtype=torch.long, device=self.device), lambda: [], ended=tuple(ended))
-            if len(rows) < logits.shape[0] or logits.device.type != "cpu":
+            if run.samplers and (len(rows) < logits.shape[0] or logits.device.type != "cpu"):
                 # a non-blocking index: masks fill while the forward runs (on CUDA a copy also when
                 # every row samples: the logits may live in a CUDA graph's output, which the next step overwrites)
                 logits = logits[self.runner.to_device(rows)]
-            samplers, logits, tokens = self.sampling.sample(logits, samplers, ended)
-        want_lp = any(r.return_logprob for r in samplers)
-        return StepRun(scheduled, samplers, tokens, self.runner.fetch_ids(tokens), logits if want_lp else None,
-                       tuple(ended))
+            run.logits = logits
+            run.marks = [r.forced_tokens for r in run.samplers]
+            if not any(r.matcher is not None and r.unseen for r in run.samplers):
+                self._draw(run)
+        return run
+
+    def _draw(self, run: StepRun) -> None:
+        """Mask and sample the run's rows; each drawn token stays on the device (the runner's
+        token table), its copy to the host started. A row whose request ended, was retracted or
+        jumped forward since the step was built draws nothing (the scheduler steps it afresh)."""
+        if run.tokens is not None:
+            return
+        with self.clock("sample"):
+            keep = [i for i, (r, mark) in enumerate(zip(run.samplers, run.marks))
+                    if r.status is Status.RUNNING and r.forced_tokens == mark]
+            reqs = [run.samplers[i] for i in keep]
+            if not reqs or run.logits is None:
+                run.drawn([], torch.zeros(0, dtype=torch.long, device=self.device), lambda: [], None)
+                return
+            logits = run.logits
+            if len(keep) < len(run.samplers):
+                with torch.inference_mode():  # (the forward's logits are inference tensors)
+                    logits = logits[self.runner.to_device(keep)]
+            samplers, logits, tokens = self.sampling.sample(logits, reqs, run.ended)
+            self.runner.keep_tokens([r.row for r in samplers], tokens)
+            for r in samplers:
+                r.unseen += 1
+            run.drawn(samplers, tokens, self.runner.fetch_ids(tokens),
+                      logits if any(r.return_logprob for r in samplers) else None)
 
     def _forward(self, scheduled: list[Scheduled],
                  ended: list[RequestOutput]) -> tuple[list[Scheduled], torch.Tensor | None]:
@@ -346,41 +386,40 @@ class EngineCore:
         logits = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else None
         return [scheduled[i] for i in kept], logits
 
-    def _count_step(self, step: Sequence[Scheduled]) -> None:
+    def _count_step(self, step: Sequence[Scheduled], overlapped: bool) -> None:
         self.steps += 1
         self.rows_fed += len(step)
         self.tokens_fed += sum(len(s.seq.token_ids) for s in step)
         self.prompt_steps += any(s.prefill for s in step)
+        if overlapped:
+            self.ahead_steps += 1
+            self.ahead_extends += sum(s.prefill and s.req.generated > 0 for s in step)
 
     def _process(self, run: StepRun) -> list[RequestOutput]:
-        """Phase 3: the run's tokens on the host become outputs; finished requests leave."""
+        """The run's tokens on the host become outputs; finished requests leave."""
         with self.clock("wait"):
             ids = run.fetch()
         with self.clock("process"):
             return self._outputs(run, ids)
 
     def _outputs(self, run: StepRun, ids: list[int]) -> list[RequestOutput]:
-        live = [i for i, r in enumerate(run.samplers) if r.status is Status.RUNNING]
-        if run.queued_ahead and live:
-            self._count_step(run.step)
-            for i in live:
-                run.samplers[i].forward_passes += 1
-        ended = list(run.ended)
+        for r in run.samplers:
+            r.unseen -= 1
+        # (a request retracted while its token was in flight is waiting: its token still counts)
+        live = [i for i, r in enumerate(run.samplers) if r.status is not Status.FINISHED]
+        reqs, tokens = [run.samplers[i] for i in live], [ids[i] for i in live]
+        ended: list[RequestOutput] = []
         lps = tops = None
-        if run.logits is not None:
-            lps, tops = self.sampling.output_logprobs(run.logits, run.samplers, ids, run.tokens, ended)
-        live = [i for i in live if run.samplers[i].status is Status.RUNNING]
-        reqs = [run.samplers[i] for i in live]
+        if run.logits is not None and run.tokens is not None and live:
+            at = None if len(live) == len(ids) else self.runner.to_device(live)
+            logits, drawn = (run.logits, run.tokens) if at is None else (run.logits[at], run.tokens[at])
+            lps, tops = self.sampling.output_logprobs(logits, reqs, tokens, drawn, ended)
+        keep = [j for j, r in enumerate(reqs) if r.status is not Status.FINISHED]
         outputs = ended + self.output.append(
-            reqs, [ids[i] for i in live],
-            None if lps is None else [lps[i] for i in live], None if tops is None else [tops[i] for i in live])
+            [reqs[j] for j in keep], [tokens[j] for j in keep],
+            None if lps is None else [lps[j] for j in keep], None if tops is None else [tops[j] for j in keep])
         self.scheduler.end_step(run.step)
-        return [self._end(o) if o.finished else o for o in outputs]
-
-    def _ended_elsewhere(self) -> list[RequestOutput]:
-        """Requests the scheduler ended on its own (max_new_tokens=0, out of memory)."""
-        done = [r for r in self.requests.values() if r.status is Status.FINISHED]
-        return [self._end(self.output.finish(r)) for r in done]
+        return outputs
 
     def _end(self, out: RequestOutput) -> RequestOutput:
         self.requests.pop(out.rid, None)
@@ -390,16 +429,6 @@ class EngineCore:
         return self.sessions.finish_turn(req.rid, req.output_ids, req.finish_reason != "abort", req.cached_tokens)
 
     # -- introspection -------------------------------------------------------------------
-    @property
-    def ahead_steps(self) -> int:
-        """Decode steps queued ahead of the host (the overlap schedule)."""
-        return self.ahead.steps
-
-    @property
-    def ahead_extends(self) -> int:
-        """Jump-forward extends among them."""
-        return self.ahead.extends
-
     @property
     def prompt_tokens_total(self) -> int:
         """Prompt tokens of finished requests (for the cache hit rate)."""

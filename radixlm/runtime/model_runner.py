@@ -7,12 +7,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from radixlm.runtime.batch import SeqStep
+from radixlm.runtime.batch import UNSEEN, SeqStep
 from radixlm.runtime.cuda_graph import DecodeGraphs, GraphableAttention, decode_rows
 from radixlm.runtime.distributed.group import RankFailure
 from radixlm.runtime.distributed.launch import Leader
 from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS, AttentionMeta
-from radixlm.runtime.kernels.kv_pool import KVPool
+from radixlm.runtime.kv_pool import KVPool
 from radixlm.runtime.model.llama import LlamaModel
 
 
@@ -44,6 +44,8 @@ class ModelRunner:
         self.max_context = max_context
         # one row per running request, plus a scratch row for the padding rows of graph batches
         self.req_to_token = torch.zeros((max_requests + 1, max_context), dtype=torch.int64, device=self.device)
+        # the token each request row's last step drew (keep_tokens): a step's UNSEEN token ids read it
+        self.last_tokens = torch.zeros(max_requests + 1, dtype=torch.int64, device=self.device)
         self.attention = ATTENTION_BACKENDS[attention_backend](self.pool, self.arch.num_heads, self.arch.head_dim,
                                                                prompt_bf16)
         self.leader: Leader | None = None  # set on rank 0 of a tensor-parallel engine
@@ -54,13 +56,16 @@ class ModelRunner:
 
     def forward(self, seqs: list[SeqStep], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; return fp32 logits [sum(seq.num_logits), vocab] in sequence order.
-        `ids`, an int64 device tensor of all the step's tokens in order, replaces the seqs'
-        token_ids (tokens sampled by the previous step, not yet on the host). Under tensor
-        parallelism rank 0 sends the step to the other ranks first; every rank runs it."""
+        An UNSEEN token id is read from the token table by its sequence's row. `ids` (a worker rank
+        under tensor parallelism: what rank 0 sent) is the step's tokens on the device, in order,
+        in place of the seqs' token ids. Under tensor parallelism rank 0 sends the step to the
+        other ranks first; every rank runs it."""
         for s in seqs:
             if s.cached_len + len(s.token_ids) > self.max_context:
                 raise ValueError(f"sequence of {s.cached_len + len(s.token_ids)} tokens exceeds the context length "
                                  f"{self.max_context}")
+        if ids is None:
+            ids = self._device_ids(seqs)
         if self.leader is None:
             return self._forward(seqs, ids)
         self.leader.send(seqs, ids)
@@ -109,6 +114,32 @@ class ModelRunner:
             None if len(logit_rows) == len(tokens) else self.to_device(logit_rows),  # (a decode step: every row)
         )
         return logits
+
+    def keep_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """Remember the tokens a step drew (on the device) for these request rows: the next step
+        can feed them before the host has read them."""
+        self.last_tokens[self.to_device(rows)] = tokens
+
+    def _device_ids(self, seqs: list[SeqStep]) -> torch.Tensor | None:
+        """The step's token ids on the device when some are UNSEEN (read from the token table);
+        None when the host has them all."""
+        at: list[int] = []
+        rows: list[int] = []
+        tokens: list[int] = []
+        for s in seqs:
+            for t in s.token_ids:
+                if t == UNSEEN:
+                    at.append(len(tokens))
+                    rows.append(s.row)
+                tokens.append(t)
+        if not at:
+            return None
+        unseen = self.last_tokens[self.to_device(rows)]
+        if len(at) == len(tokens):  # (a step of decodes only)
+            return unseen
+        ids = self.to_device([max(t, 0) for t in tokens])
+        ids[self.to_device(at)] = unseen
+        return ids
 
     def _write_prefixes(self, seqs: list[SeqStep]) -> None:
         """The request->slot rows of sequences that start here (SeqStep.prefix_slots)."""

@@ -232,6 +232,11 @@ class SamplingParams:
         """True when decoding takes the argmax: temperature 0 (< 1e-5), top_k 1, or top_p < ~1.2e-38."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1 or self.top_p < MIN_SAMPLED_TOP_P
 
+    @property
+    def penalizes_output(self) -> bool:
+        """Whether each token's draw reads the output so far (repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
 
 # The declaration: every sampling parameter's Param, in field order.
 PARAMS: dict[str, Param] = {f.name: f.metadata["param"] for f in dataclasses.fields(SamplingParams)}

@@ -3,13 +3,8 @@ same options, so greedy results are comparable exactly."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "server"))
-from server_harness import start_server  # noqa: E402 - the server tests' harness, shared
+from server_harness import start_server
 
 API_KEY = "dsl-test-key"
 OPTIONS = {"dtype": "float32", "max_total_tokens": 8000, "context_length": 2048}
@@ -34,9 +29,8 @@ def engine_backend(engine):
 @pytest.fixture(scope="session")
 def server(default_source):
     args = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
-    s = start_server(*args, api_key=API_KEY)
-    yield s
-    s.stop()
+    with start_server(*args, api_key=API_KEY) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

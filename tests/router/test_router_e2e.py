@@ -16,10 +16,9 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from router_harness import WORKER, Router, poll, start_router
-from server_harness import read_sse
+from server_harness import WORKER, Router, read_sse, start_router
 
-from radixlm.testing import http_call
+from radixlm.testing import http_call, poll
 
 pytestmark = pytest.mark.slow
 SYS_A = "You are Captain Hook, a pirate who answers every question with a sea shanty about treasure. "

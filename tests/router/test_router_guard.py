@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from router_harness import WORKER, Router, poll, raw_call, start_router
-from server_harness import Server, free_port, start_server
+from server_harness import WORKER, Router, Server, raw_call, start_router, start_server
 
 from radixlm.router.keys import BODY_ROUTES
+from radixlm.testing import free_port, poll
 
 KEY = "router-guard-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from radixlm.runtime.kernels.kv_pool import KVPool
+from radixlm.runtime.kv_pool import KVPool
 from radixlm.runtime.model.arch import ModelArch
 
 ARCH = ModelArch(family="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,

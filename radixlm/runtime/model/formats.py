@@ -72,7 +72,7 @@ class DtypeChoice:
 
 @dataclass(frozen=True)
 class QuantChoice:
-    method: str  # "none" or a name in radixlm.runtime.kernels.quant.QUANT_METHODS
+    method: str  # "none" or a name in radixlm.runtime.model.quant_linear.QUANT_METHODS
     dense_above: int | None  # steps of more rows multiply a dense copy; None: no copy
     reason: str
 
@@ -157,9 +157,9 @@ def choose_quantization(requested: str, device: str, dtype: str, gguf_four_bit: 
     """Whether linear weights stay quantized. `gguf_four_bit`: the model comes from a GGUF whose
     linear weights are mostly Q4_0/Q4_1/Q4_K; `dense_above`: --quant-dense-above, if given;
     `auto_dtype`: --dtype auto chose `dtype` (an fp32 asked for runs dense fp32 weights); `amx`:
-    oneDNN multiplies bf16 in AMX tiles here (`packed.amx_packing`)."""
+    oneDNN multiplies bf16 in AMX tiles here (`dense_linear.amx_packing`)."""
     from radixlm.runtime.kernels import native, native_ir
-    from radixlm.runtime.kernels.quant import QUANT_METHODS, fp16_available
+    from radixlm.runtime.model.quant_linear import QUANT_METHODS, fp16_available
 
     on_cuda = device.startswith("cuda")
     if requested not in ("auto", "none", *QUANT_METHODS):

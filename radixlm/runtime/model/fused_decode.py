@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from radixlm.runtime.kernels import native, native_ir
-from radixlm.runtime.kernels.quant import NativeBlockLinear
 from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.quant_linear import NativeBlockLinear
 
 if TYPE_CHECKING:
     from radixlm.runtime.kernels.attention.torch_backend import TorchAttention

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixlm.runtime.kernels.quant import (
+from radixlm.runtime.model.gguf_convert import _unpermute_rope_rows
+from radixlm.runtime.model.quant_linear import (
     Int8Linear,
     WeightOnlyLinear,
     eight_bit_linear,
@@ -30,7 +31,6 @@ from radixlm.runtime.kernels.quant import (
     q8_from_float,
     uses_native,
 )
-from radixlm.runtime.model.gguf_convert import _unpermute_rope_rows
 
 # our fused layer -> the GGUF tensors it stacks (rows in this order)
 _LAYER_PARTS = {

@@ -27,10 +27,10 @@ from radixlm.runtime.distributed.sharding import ShardPlan
 from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.attention import AttentionBackend
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
-from radixlm.runtime.kernels.packed import DenseLinear
-from radixlm.runtime.kernels.quant import NativeBlockLinear, WeightOnlyLinear
 from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.dense_linear import DenseLinear
 from radixlm.runtime.model.fused_decode import FusedDecode, LayerParts
+from radixlm.runtime.model.quant_linear import NativeBlockLinear, WeightOnlyLinear
 from radixlm.runtime.model.rope import RotaryBatch, RotaryEmbedding
 
 PAIRED_NORM = (torch.bfloat16, torch.float32)  # dtypes whose CPU RMSNorm runs as LayerNorm over [x, -x]
@@ -312,7 +312,7 @@ class LlamaModel(nn.Module):
 
     def packed_weights(self) -> int:
         """How many weight matrices (layers, LM head, quantized layers' dense copies) are packed
-        for oneDNN (radixlm.runtime.kernels.packed)."""
+        for oneDNN (radixlm.runtime.model.dense_linear)."""
         return sum(1 for m in self.modules() if isinstance(m, DenseLinear) and m.packed is not None)
 
     def native_products(self) -> int:

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from radixlm.runtime.distributed.group import TPGroup
-from radixlm.runtime.kernels.packed import DenseLinear, packs
-from radixlm.runtime.kernels.quant import GGUF_BLOCK_METHODS, QUANT_METHODS
 from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.dense_linear import DenseLinear, packs
 from radixlm.runtime.model.formats import QuantChoice
 from radixlm.runtime.model.gguf_quant import LAYER_LINEARS, GGUFLinears
 from radixlm.runtime.model.llama import LlamaModel
+from radixlm.runtime.model.quant_linear import GGUF_BLOCK_METHODS, QUANT_METHODS
 
 # HF tensor name suffix -> (our parameter suffix, which part of a fused tensor it fills)
 _FUSED = {
@@ -199,7 +199,7 @@ def build_model(
 def pack_linears(model: LlamaModel) -> None:
     """Replace every layer's linear modules and the LM head by `DenseLinear`s, their weights packed
     once for oneDNN (a bf16 model on a CPU that multiplies bf16 natively; the same products, bit for
-    bit, faster: radixlm.runtime.kernels.packed). The embedding keeps its own plain matrix."""
+    bit, faster: radixlm.runtime.model.dense_linear). The embedding keeps its own plain matrix."""
     for _, ours, parent in _linear_slots(model):
         leaf = ours.rpartition(".")[2]
         dense = getattr(parent, leaf)

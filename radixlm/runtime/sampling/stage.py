@@ -41,13 +41,12 @@ class SamplingStage:
         self.fail = fail
         self.refuse = refuse
 
-    def batch(self, reqs: list[EngineRequest], ahead: bool = False) -> SamplingBatch:
-        """The step's sampling parameters, with the min_new_tokens blocks of its requests (for a
-        step queued ahead, their outputs are one token longer than the host knows yet)."""
-        n = 1 if ahead else 0
+    def batch(self, reqs: list[EngineRequest]) -> SamplingBatch:
+        """The step's sampling parameters, with the min_new_tokens blocks of its requests (their
+        outputs counted with the tokens still on the device)."""
         blocks = [  # a grammar, not min_new_tokens, decides where constrained output may end
             sorted(r.eos_ids | set(r.params.stop_token_ids))
-            if len(r.output_ids) + n < r.params.min_new_tokens and r.matcher is None else []
+            if r.generated < r.params.min_new_tokens and r.matcher is None else []
             for r in reqs
         ]
         return SamplingBatch.build([r.params for r in reqs], [r.output_ids for r in reqs],

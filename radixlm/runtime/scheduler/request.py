@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from radixlm.runtime.batch import UNSEEN
 from radixlm.runtime.sampling_params import SamplingParams
 
 # Longest program id and fork-group name a request may carry.
@@ -74,14 +75,23 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     program: ProgramTag | None = None
     passed_over: int = 0  # admissions that overtook it (in the policy's order) while it waited
+    # tokens sampled for it on the device whose values the host has not read yet (0 in the plain
+    # step order; with the overlap schedule 1 while a step's tokens are in flight, and 2 for a
+    # moment, while the next step is drawn before the host reads the one before)
+    unseen: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self.prompt_ids + self.output_ids + [UNSEEN] * self.unseen
 
     @property
     def fill_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.unseen
+
+    @property
+    def generated(self) -> int:
+        """Output tokens drawn so far, the unseen ones included."""
+        return len(self.output_ids) + self.unseen
 
     @property
     def is_decoding(self) -> bool:
@@ -90,11 +100,11 @@ class Request:
         A prompt cut by the chunk budget one token short is still prefilling: it has no
         output yet, so it must neither be retracted as a decoder nor skip end_step's
         prompt bookkeeping (caching it, or finishing a max_new_tokens=0 request)."""
-        return self.status is Status.RUNNING and bool(self.output_ids) and len(self.slots) == self.fill_len - 1
+        return self.status is Status.RUNNING and self.generated > 0 and len(self.slots) == self.fill_len - 1
 
     @property
     def wants_input_logprobs(self) -> bool:
-        return self.logprob_start_len >= 0 and not self.output_ids
+        return self.logprob_start_len >= 0 and not self.generated
 
     def first_logit_pos(self) -> int:
         """Earliest position whose logits this request still needs."""
@@ -103,4 +113,4 @@ class Request:
         return self.fill_len - 1
 
     def remaining_new_tokens(self) -> int:
-        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+        return max(self.params.max_new_tokens - self.generated, 0)

@@ -11,14 +11,9 @@ idle KV held outside requests (session pins) is reclaimed, and only then the req
 least is retracted (its KV goes into the cache, it waits again and resumes with the same
 output). Plain ints and lists only: no torch here.
 
-Program-aware admission (config.program_scheduling): requests carry the program they belong to
-(`ProgramTag`). Requests of programs already started go before those that start new programs,
-oldest program first, within a fairness bound (`program_fairness`); new programs start in the
-order they came, and only while fewer than `program_active_cap` started programs are under way
-(a program the server runs counts until it ends, a client's between two of its requests for
-`program_gap_steps` steps); a fork's siblings
-are admitted back to back; a fork's prefix prefill keeps its KV locked until its branches are
-admitted, so it is computed once even when the cache is under pressure.
+Program-aware admission (config.program_scheduling) is a policy the scheduler asks
+(`programs.ProgramAdmission`): in what order to try the waiting requests, which may be admitted
+now, and which fork prefixes to keep locked for their branches.
 
 Where steps can replay as CUDA graphs (`GraphRoom`), short prompt pieces that would push a step
 past what a graph holds wait for the next step instead: on an H200 the default model's step
@@ -28,26 +23,21 @@ together, cost more than two replayed steps.
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.radix_cache import PrefixCache, SlotAllocator
 from radixlm.runtime.scheduler.pacing import StepCosts
 from radixlm.runtime.scheduler.policy import POLICIES
-from radixlm.runtime.scheduler.request import ProgramTag, Request, Status
+from radixlm.runtime.scheduler.programs import ProgramAdmission
+from radixlm.runtime.scheduler.request import Request, Status
 
 # A waiting request whose next DEDUP_MIN uncached tokens equal those of a request being
 # prefilled right now waits one step, then reads them from the cache instead of recomputing.
 DEDUP_MIN = 16
-# Programs remembered as started when nobody ends them (a client naming its programs): the oldest
-# are forgotten past this many per running-request row.
-PROGRAMS_PER_ROW = 4
 # The fewest prompt tokens a step's time limit leaves a step (a slow model or a loaded machine
 # must still make progress, in pieces that do not cost mostly per-step overhead).
 MIN_TIMED_PIECE = 32
@@ -86,23 +76,6 @@ class Scheduled:
     prefill: bool  # prompt tokens (a chunk, or a resumed request's context), not one decode token
 
 
-@dataclass
-class _Hold:
-    """A fork's prefix, locked in the cache until ``remaining`` branch requests were admitted."""
-
-    node: object
-    tokens: int
-    remaining: int
-
-
-@dataclass
-class _Program:
-    started: int  # admission order of its first request
-    holds: dict[str, _Hold] = field(default_factory=dict)
-    idle_since: int | None = None  # the step its last request in flight ended (None: never yet)
-    managed: bool = False  # the server runs it and ends it (end_program): under way until then
-
-
 class Scheduler:
     def __init__(
         self,
@@ -138,13 +111,8 @@ class Scheduler:
         self._arrivals = 0
         self.num_retractions = 0
         self.new_token_ratio = config.init_new_token_ratio
-        self.programs: OrderedDict[str, _Program] = OrderedDict()  # started programs, oldest first
-        self._programs_started = 0
-        self._live: dict[str, int] = {}  # program id -> its requests waiting or running
+        self.programs = ProgramAdmission(config, cache)
         self._steps = 0
-        # a started program's next request after it had none in flight: how many came, how many
-        # after program_gap_steps, and the steps they took in all (how long a round trip takes)
-        self.program_returns = self.program_returns_late = self.program_return_steps = 0
 
     # -- requests in and out -------------------------------------------------------------
     def arrive(self, req: Request) -> None:
@@ -161,11 +129,7 @@ class Scheduler:
             self.arrive(req)
         req.status = Status.WAITING
         self.waiting.append(req)
-        if req.program is not None and self.config.program_scheduling:
-            pid = req.program.id
-            if pid not in self._live:
-                self._returned(pid)
-            self._live[pid] = self._live.get(pid, 0) + 1
+        self.programs.queued(req, self._steps)
 
     def validate(self, req: Request) -> None:
         """Raise ValueError when req can never run here (empty, or longer than context or pool)."""
@@ -199,15 +163,15 @@ class Scheduler:
             queued = True
         req.status = Status.FINISHED
         req.finish_reason = reason
-        if queued and req.program is not None and self.config.program_scheduling:
-            self._went(req.program.id)
+        if queued:
+            self.programs.gone(req, self._steps)
 
     def end_reason(self, req: Request) -> str | None:
         """Why req is finished after its newest token: "stop" (a stop matched), "length" (its
         max_new_tokens, or the context, is full), or None (it goes on)."""
         if req.matched_stop is not None:
             return "stop"
-        if len(req.output_ids) >= req.params.max_new_tokens or req.fill_len >= self.max_context:
+        if len(req.output_ids) >= req.params.max_new_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_context:
             return "length"
         return None
 
@@ -220,40 +184,18 @@ class Scheduler:
             self.allocator.free(req.slots[length:])
             del req.slots[length:]
 
-    def extend_ahead(self, reqs: Sequence[Request], jumped: Sequence[Request] = ()) -> list[Scheduled] | None:
-        """Slots for a step queued before the host knows the last tokens (the overlap schedule):
-        one more for each decoding request in ``reqs``, and for each request in ``jumped`` (its
-        output grew on the host by a jump forward: tokens without KV yet) its extend step, which
-        is returned. None, and nothing taken, when the pool is short. Never retracts: a step that
-        does not fit is simply not queued ahead."""
-        needs = [r.fill_len - len(r.slots) for r in jumped]
-        slots = self._alloc(len(reqs) + sum(needs))
-        if slots is None:
-            return None
-        for req, slot in zip(reqs, slots):
-            req.slots.append(slot)
-        out, at = [], len(reqs)
-        for req, n in zip(jumped, needs):
-            req.slots.extend(slots[at : at + n])
-            at += n
-            out.append(self._step(req, n, prefill=True))
-        return out
+    def needs_host(self) -> bool:
+        """Whether a running request's next step needs its newest token, still on the device, on
+        the host first: its draw penalizes the output so far (the overlap schedule then processes
+        the step in flight before it schedules the next)."""
+        return any(r.unseen and r.params.penalizes_output for r in self.running)
 
-    def jumped_besides(self, reqs: Sequence[Request]) -> list[Request] | None:
-        """The running requests besides ``reqs``, each one whose output a jump forward grew on
-        the host (forced tokens within one step's prefill budget that still need their KV);
-        None when some other running request is not such."""
-        if len(reqs) == len(self.running):
-            return []
-        mine = {id(r) for r in reqs}
-        out = []
-        for r in self.running:
-            if id(r) in mine:
-                continue
-            if not r.output_ids or not 0 < r.fill_len - len(r.slots) <= self.prefill_budget:
-                return None
-            out.append(r)
-        return out
+    def _may_step(self, req: Request) -> bool:
+        """Whether a decoding request steps now. Past a token the host has not read yet only if the
+        next draw needs nothing from the host and can come: that token cannot be its last (by
+        max_new_tokens or the context)."""
+        return not req.unseen or (req.remaining_new_tokens() > 0 and req.fill_len < self.max_context
+                                  and not req.params.penalizes_output)
 
     @property
     def prefill_budget(self) -> int:
@@ -304,16 +246,12 @@ class Scheduler:
     def _reclaim(self) -> bool:
         """Release one holder of locked KV that no running request needs: the oldest fork-prefix
         hold, else a session pin (the engine's hook); False when none is left."""
-        for prog in self.programs.values():
-            for group in prog.holds:
-                self.cache.unlock(prog.holds.pop(group).node)
-                return True
-        return self.reclaim is not None and self.reclaim()
+        return self.programs.release_hold() or (self.reclaim is not None and self.reclaim())
 
     def _schedule(self) -> list[Scheduled]:
         c = self.config
         self.new_token_ratio = max(self.new_token_ratio - c.new_token_ratio_decay, c.min_new_token_ratio)
-        decoding = [r for r in self.running if r.is_decoding]
+        decoding = [r for r in self.running if r.is_decoding and self._may_step(r)]
         prefilling = [r for r in self.running if not r.is_decoding]
         out = [self._step(r, 1, prefill=False) for r in self._make_room_for_decode(decoding)]
         budget = self._step_budget(decoding, prefilling)
@@ -357,9 +295,9 @@ class Scheduler:
             done_prompt = len(req.slots) >= req.fill_len - (1 if s.samples else 0)
             if not s.prefill or req.status is not Status.RUNNING or not done_prompt:
                 continue
-            if req.remaining_new_tokens() == 0:  # max_new_tokens=0: prefill only, to warm the cache
+            if not s.samples and req.remaining_new_tokens() == 0:  # max_new_tokens=0: prefill only, to warm the cache
                 self.finish(req, "length")
-                self._hold_prefix(req)
+                self.programs.hold_prefix(req)
             elif self.cache.shares_prefixes:  # the step's tokens, not a slot queued ahead since
                 self._cache_prefix(req, upto=s.seq.cached_len + len(s.seq.token_ids))
         timed, self._timed = self._timed, None
@@ -372,94 +310,12 @@ class Scheduler:
     # -- programs ------------------------------------------------------------------------
     def end_program(self, program_id: str) -> None:
         """The program finished (or failed): forget it and release the fork prefixes it holds."""
-        prog = self.programs.pop(program_id, None)
-        if prog is not None:
-            for hold in prog.holds.values():
-                self.cache.unlock(hold.node)
+        self.programs.end(program_id)
 
     @property
     def held_tokens(self) -> int:
         """Tokens of fork prefixes held for branches not yet admitted (overlaps counted twice)."""
-        return sum(h.tokens for p in self.programs.values() for h in p.holds.values())
-
-    def _hold_prefix(self, req: Request) -> None:
-        """Lock a finished fork-prefix prefill's KV until its branches are admitted."""
-        tag = req.program
-        if tag is None or not tag.hold or tag.group is None or not self.config.program_scheduling:
-            return
-        if not self.cache.shares_prefixes:
-            return
-        prog = self._started(tag)
-        match = self.cache.match_prefix(req.prompt_ids)
-        if not match.slots:
-            return
-        old = prog.holds.pop(tag.group, None)
-        if old is not None:
-            self.cache.unlock(old.node)
-        self.cache.lock(match.node)
-        prog.holds[tag.group] = _Hold(match.node, len(match.slots), tag.hold)
-
-    def _went(self, program_id: str) -> None:
-        """One of the program's requests finished."""
-        left = self._live.get(program_id, 0) - 1
-        if left > 0:
-            self._live[program_id] = left
-            return
-        self._live.pop(program_id, None)
-        prog = self.programs.get(program_id)
-        if prog is not None:
-            prog.idle_since = self._steps
-
-    def _returned(self, program_id: str) -> None:
-        """A started program's request came while it had none in flight: count the round trip."""
-        prog = self.programs.get(program_id)
-        if prog is None or prog.idle_since is None:
-            return
-        steps = self._steps - prog.idle_since
-        self.program_returns += 1
-        self.program_returns_late += steps > self.config.program_gap_steps
-        self.program_return_steps += steps
-
-    def _active_programs(self) -> int:
-        """Started programs with a request waiting or running, run by the server and not yet
-        ended, or between two of their requests for at most program_gap_steps steps (the next
-        one is on its way)."""
-        gap = self.config.program_gap_steps
-        return sum(1 for pid, p in self.programs.items()
-                   if pid in self._live or p.managed
-                   or (p.idle_since is not None and self._steps - p.idle_since <= gap))
-
-    def _started(self, tag: ProgramTag) -> _Program:
-        prog = self.programs.get(tag.id)
-        if prog is None:
-            prog = self.programs[tag.id] = _Program(self._programs_started, managed=tag.managed)
-            self._programs_started += 1
-            while len(self.programs) > PROGRAMS_PER_ROW * self.config.max_running_requests:
-                self.end_program(next(iter(self.programs)))
-        return prog
-
-    def _admitted(self, req: Request) -> None:
-        """Bookkeeping of a program whose request was just admitted: it has started; a branch's
-        first request counts down its fork's hold."""
-        tag = req.program
-        if tag is None or not self.config.program_scheduling:
-            return
-        prog = self._started(tag)
-        if tag.group is None or tag.hold:
-            return
-        hold = prog.holds.get(tag.group)
-        if hold is not None:
-            hold.remaining -= 1
-            if hold.remaining <= 0:
-                del prog.holds[tag.group]
-                self.cache.unlock(hold.node)
-
-    def _preferred(self, req: Request) -> bool:
-        return req.program is not None and req.program.id in self.programs
-
-    def _program_of(self, req: Request) -> _Program:
-        assert req.program is not None
-        return self.programs[req.program.id]
+        return self.programs.held_tokens
 
     # -- internals -----------------------------------------------------------------------
     def _step(self, req: Request, n: int, prefill: bool) -> Scheduled:
@@ -498,8 +354,10 @@ class Scheduler:
             if self._reclaim():  # idle holds and pins go before any running request
                 continue
             if len(self.running) == 1:
-                # alone and still out of memory: the request cannot grow any further
-                self.finish(decoding[0], "length")
+                # alone and still out of memory: the request cannot grow any further (once the
+                # host has its newest token, which its output keeps)
+                if not decoding[0].unseen:
+                    self.finish(decoding[0], "length")
                 return []
             victim = min(decoding, key=lambda r: (len(r.output_ids), -r.arrival))
             self._retract(victim)
@@ -566,44 +424,6 @@ class Scheduler:
             self._refresh_matches()
         return POLICIES[policy](self.waiting)
 
-    def _program_order(self, order: list[Request]) -> list[Request]:
-        """``order`` (first come, first served) regrouped: requests past the fairness bound first,
-        then those of started programs (oldest program first, each fork's siblings together), then
-        the rest (new programs' first requests, requests of no program), so new programs start in
-        the order they came. (Under lpm's order a new program whose prompt shares a longer cached
-        prefix started before older ones again and again.)"""
-        pos = {id(r): i for i, r in enumerate(order)}
-        group_at: dict[tuple[str, str | None], int] = {}  # where each fork group first appears
-        for r in order:
-            if r.program is not None:
-                group_at.setdefault((r.program.id, r.program.group), pos[id(r)])
-
-        def program_rank(r: Request) -> tuple[int, int, int]:
-            assert r.program is not None
-            return self._program_of(r).started, group_at[(r.program.id, r.program.group)], pos[id(r)]
-
-        bound = self.config.program_fairness
-        urgent = [r for r in order if r.passed_over >= bound]
-        preferred = sorted((r for r in order if r.passed_over < bound and self._preferred(r)), key=program_rank)
-        rest = [r for r in order if r.passed_over < bound and not self._preferred(r)]
-        return urgent + preferred + rest
-
-    def _passes(self, req: Request, rank: dict[int, int], deferred: set[int]) -> list[Request]:
-        """The waiting requests that admitting req now overtakes (under program scheduling): those
-        before it in the base order (``rank``) but the ``deferred`` ones, which wait for a prefix in
-        flight and could not run now anyway."""
-        return [r for r in self.waiting if rank[id(r)] < rank[id(req)] and id(r) not in deferred]
-
-    def _blockers(self, rank: dict[int, int]) -> _Blockers:
-        """The waiting requests at the fairness bound: no request after one of them in the
-        policy's order may be admitted (none when program scheduling is off)."""
-        blockers = _Blockers(rank)
-        if self.config.program_scheduling:
-            for r in self.waiting:
-                if r.passed_over >= self.config.program_fairness:
-                    blockers.add(r)
-        return blockers
-
     def _expected_need(self, req: Request, cached: int) -> int:
         """Slots req is expected to still take: its uncomputed prompt plus a share of its output."""
         return req.fill_len - max(cached, len(req.slots)) + int(req.remaining_new_tokens() * self.new_token_ratio)
@@ -616,40 +436,16 @@ class Scheduler:
         in_flight = [r for r in self.running if len(r.slots) < r.fill_len or not r.output_ids]
         reserved = sum(self._expected_need(r, 0) for r in self.running)
         headroom = self.allocator.num_free + self.cache.evictable_size() - reserved
-        policy_order = self._policy_order()
-        rank = {id(r): i for i, r in enumerate(policy_order)}
-        order = self._program_order(policy_order) if self.config.program_scheduling else policy_order
-        deferred: set[int] = set()  # waiting for a prefix another request is prefilling
-        # a request may overtake (as its program runs) only those still below program_fairness;
-        # checked in O(log n) a candidate: with a thousand requests waiting, listing the ones each
-        # candidate overtakes cost the H100 half its throughput under fcfs
-        blockers = self._blockers(rank)
-        # Each admission passes a waiting request at most once: while none can reach the bound in
-        # this pass, the passes are counted once after it, not by a scan of the queue per admission
-        # (the same counts; ~0.3 ms a step at ~100 waiting requests on a loaded CPU)
-        fairness = self.config.program_fairness
-        eager = self.config.program_scheduling and (
-            max((r.passed_over for r in self.waiting), default=0) + len(self.free_rows) >= fairness)
-        admitted_ranks: list[int] = []
-        cutoff: dict[int, int] = {}  # id of a request admitted or deferred in this pass -> admissions before it
-        cap = self.config.program_active_cap or 2 * self.config.max_running_requests
-        active = self._active_programs() if self.config.program_scheduling else 0
+        # the order of programs, the fairness bound and the cap on programs under way
+        programs = self.programs.start_pass(self._policy_order(), len(self.free_rows), self._steps)
         longest = 0 if self.graph_room is None else self.graph_room.extend_tokens  # a piece a graph holds
-
-        def defer(req: Request) -> None:
-            """req cannot run now: passing it overtakes nobody."""
-            deferred.add(id(req))
-            cutoff[id(req)] = len(admitted_ranks)
-            blockers.drop(req)
-
-        for req in order:
+        for req in programs.order:
             if budget <= 0 or not self.free_rows:
                 break
-            if blockers.before(req):
+            if req.unseen:  # retracted while its last token was in flight: it comes back once the host has it
+                programs.defer(req)
                 continue
-            starts = self.config.program_scheduling and req.program is not None and not self._preferred(req)
-            if starts and active >= cap and self.running:  # enough programs under way: this one
-                defer(req)  # starts when one of them ends
+            if not programs.may_admit(req, idle=not self.running):
                 continue
             limit = min(req.fill_len - 1, req.first_logit_pos())
             match = self.cache.match_prefix(req.fill_ids[:limit])
@@ -659,7 +455,7 @@ class Scheduler:
                 break  # the step stays a graph; this piece goes first next step
             # only a cache that shares prefixes can serve them to the waiting request later
             if self.cache.shares_prefixes and any(self._shares_uncached(req, other, cached) for other in in_flight):
-                defer(req)  # it waits for that prefix
+                programs.defer(req)  # it waits for that prefix
                 continue
             if whole and req.fill_len - cached > budget:
                 continue  # (it goes after the pieces of prompts in flight)
@@ -694,34 +490,9 @@ class Scheduler:
             if room is not None:  # (a long piece runs the step eager: then anything may join it)
                 room = None if piece > longest else room - piece
             in_flight.append(req)
-            self._admitted(req)
-            active += starts
-            blockers.drop(req)
-            cutoff[id(req)] = len(admitted_ranks)
-            admitted_ranks.append(rank[id(req)])
-            if eager:
-                for r in self._passes(req, rank, deferred):
-                    r.passed_over += 1
-                    if r.passed_over == fairness:
-                        blockers.add(r)
-        if not eager and self.config.program_scheduling:
-            self._count_passes(policy_order, rank, admitted_ranks, cutoff)
+            programs.admitted(req)
+        programs.close()
         return out
-
-    @staticmethod
-    def _count_passes(order: list[Request], rank: dict[int, int], admitted_ranks: list[int],
-                      cutoff: dict[int, int]) -> None:
-        """After an admission pass: what `_passes` counts admission by admission. A request of
-        ``order`` (those waiting before the pass) was passed by each admission of a later rank while
-        it waited: all of them, or those before it was admitted or deferred (``cutoff``)."""
-        ranks = sorted(admitted_ranks)
-        for r in order:
-            mine = rank[id(r)]
-            before = cutoff.get(id(r))
-            if before is None:
-                r.passed_over += len(ranks) - bisect.bisect_right(ranks, mine)
-            else:
-                r.passed_over += sum(1 for x in admitted_ranks[:before] if x > mine)
 
     @staticmethod
     def _shares_uncached(req: Request, other: Request, cached: int) -> bool:
@@ -735,26 +506,3 @@ class Scheduler:
             return None
         req.slots.extend(slots)
         return self._step(req, n, prefill=True)
-
-
-class _Blockers:
-    """Waiting requests that no later request (in the policy's order, ``rank``) may overtake,
-    with the lowest rank among them at hand (a heap; dropped entries are skipped lazily)."""
-
-    def __init__(self, rank: dict[int, int]) -> None:
-        self.rank = rank
-        self.live: set[int] = set()
-        self.heap: list[tuple[int, int]] = []
-
-    def add(self, req: Request) -> None:
-        self.live.add(id(req))
-        heapq.heappush(self.heap, (self.rank[id(req)], id(req)))
-
-    def drop(self, req: Request) -> None:
-        self.live.discard(id(req))
-
-    def before(self, req: Request) -> bool:
-        """Whether a blocker comes before req in the policy's order."""
-        while self.heap and self.heap[0][1] not in self.live:
-            heapq.heappop(self.heap)
-        return bool(self.heap) and self.heap[0][0] < self.rank[id(req)]

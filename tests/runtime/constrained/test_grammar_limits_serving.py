@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sys
-from pathlib import Path
 
 import pytest
+from server_harness import start_server
 
 from radixlm.runtime.engine import Engine
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_harness import start_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -65,10 +61,9 @@ def test_engine_finishes_other_requests_while_a_compile_is_overdue():
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--dtype", "float32", "--max-total-tokens", "4000", "--context-length", "1024",
-                     "--grammar-compile-timeout", str(LIMIT_S), "--grammar-max-enum", "100")
-    yield s
-    s.stop()
+    with start_server("--dtype", "float32", "--max-total-tokens", "4000", "--context-length", "1024",
+                      "--grammar-compile-timeout", str(LIMIT_S), "--grammar-max-enum", "100") as s:
+        yield s
 
 
 @pytest.mark.parametrize("path,body,param,words", [

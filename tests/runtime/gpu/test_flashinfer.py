@@ -20,7 +20,7 @@ from triton_cases import compare, tiny_arch
 from radixlm.runtime.batch import SeqStep
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS
-from radixlm.runtime.kernels.kv_pool import KVPool
+from radixlm.runtime.kv_pool import KVPool
 from radixlm.runtime.model_runner import ModelRunner
 
 

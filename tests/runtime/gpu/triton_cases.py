@@ -12,7 +12,7 @@ import sys
 import torch
 
 from radixlm.runtime.kernels.attention import ATTENTION_BACKENDS, AttentionMeta
-from radixlm.runtime.kernels.kv_pool import KVPool
+from radixlm.runtime.kv_pool import KVPool
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.rope import RotaryEmbedding, apply_rotary
 

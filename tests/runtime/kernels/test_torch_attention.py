@@ -21,7 +21,7 @@ from radixlm.runtime.kernels.attention.torch_backend import (
     blocked_extend,
     blocked_prompts,
 )
-from radixlm.runtime.kernels.kv_pool import KVPool
+from radixlm.runtime.kv_pool import KVPool
 from radixlm.runtime.model.arch import ModelArch
 
 HEADS, KV_HEADS, D = 6, 2, 16

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from radixlm.runtime.kernels import native
-from radixlm.runtime.kernels.quant import fp16_available
 from radixlm.runtime.model.formats import (
     AMX_DENSE_ABOVE,
     auto_dense_above,
@@ -17,6 +16,7 @@ from radixlm.runtime.model.formats import (
     cpu_flags,
     native_tiles_run,
 )
+from radixlm.runtime.model.quant_linear import fp16_available
 
 AVX2 = frozenset({"fpu", "sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}

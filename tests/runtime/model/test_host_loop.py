@@ -14,7 +14,7 @@ import torch
 from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
-from radixlm.runtime.kernels.kv_pool import KVPool
+from radixlm.runtime.kv_pool import KVPool
 from radixlm.runtime.model import loader
 from radixlm.runtime.model.arch import ModelArch
 from radixlm.runtime.model.formats import QuantChoice

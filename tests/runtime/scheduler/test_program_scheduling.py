@@ -264,8 +264,8 @@ def test_a_programs_round_trips_are_counted():
     sim.add("a3", [1, 2, 3, 4, 5], 1, program=tag("A"))  # 5 steps later: late
     sim.run()
     s = sim.sched
-    assert (s.program_returns, s.program_returns_late) == (2, 1)
-    assert s.program_return_steps == 0 + 5
+    assert (s.programs.returns, s.programs.returns_late) == (2, 1)
+    assert s.programs.return_steps == 0 + 5
     sim.sched.end_program("A")
     sim.check_idle()
 
@@ -313,7 +313,7 @@ def test_ending_the_program_releases_what_it_holds():
     sim.run()
     assert sim.sched.held_tokens == 20 and sim.cache.protected_size() >= 20
     sim.sched.end_program("P")  # the other branches failed, say: nothing stays locked
-    assert sim.sched.held_tokens == 0 and not sim.sched.programs
+    assert sim.sched.held_tokens == 0 and not sim.sched.programs.started
     sim.check_idle()
 
 
@@ -334,7 +334,7 @@ def test_programs_nobody_ends_are_forgotten_oldest_first():
     for i in range(6):
         sim.add(f"r{i}", [i + 1], 1, program=tag(f"P{i}"))
         sim.run()
-    assert list(sim.sched.programs) == ["P2", "P3", "P4", "P5"]  # PROGRAMS_PER_ROW x 1 row
+    assert list(sim.sched.programs.started) == ["P2", "P3", "P4", "P5"]  # PROGRAMS_PER_ROW x 1 row
 
 
 def test_program_tags_are_checked():

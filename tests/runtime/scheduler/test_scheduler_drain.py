@@ -118,7 +118,7 @@ def check_drain(workload) -> None:
     event(f"fork prefix held: {sim.sched.held_tokens > 0}")
     for name in ("p0", "p1", "p2"):  # the server ends each program when its response is sent
         sim.sched.end_program(name)
-    assert not sim.sched.programs
+    assert not sim.sched.programs.started
     sim.check_idle()
     for rid, prompt, max_new, _, _, lsl, _ in reqs:
         req = sim.requests[rid]

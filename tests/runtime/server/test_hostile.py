@@ -18,6 +18,8 @@ from server_harness import Server, read_sse, start_server
 
 from radixlm.runtime.server.settings import API_KEY_ENV, resolve_api_key
 
+pytestmark = pytest.mark.slow
+
 KEY = "hostile-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GREEDY = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}

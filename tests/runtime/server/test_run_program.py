@@ -21,6 +21,8 @@ from server_harness import read_sse, start_server
 import radixlm as rl
 from radixlm.lang.backends.runtime_endpoint import BackendError, RuntimeEndpoint
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[3]
 OPTIONS = ["--dtype=float32", "--max-total-tokens=8000", "--context-length=2048", "--max-program-gens=40",
            "--max-program-fork-depth=3", "--max-program-fork-width=4", "--max-program-text-bytes=20000",
@@ -36,9 +38,8 @@ def load(path: Path, name: str) -> Any:
 
 @pytest.fixture(scope="module")
 def server(default_source):
-    s = start_server(*OPTIONS)
-    yield s
-    s.stop()
+    with start_server(*OPTIONS) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -268,13 +269,10 @@ def tree(s, i: int):
 def test_greedy_results_are_the_same_with_program_scheduling_on_and_off(server):
     """8 concurrent programs of forks within forks, run on this server (program scheduling on) and
     on one started with it off: the same variables."""
-    off = start_server(*OPTIONS, "--program-scheduling=off")
-    try:
+    with start_server(*OPTIONS, "--program-scheduling=off") as off:
         args = [{"i": i} for i in range(8)]
         runs = [tree.run_batch(args, backend=RuntimeEndpoint(s.url, programs="server"), temperature=0,
                                concurrency=8) for s in (server, off)]
-    finally:
-        off.stop()
     on_vars, off_vars = ([s.variables() for s in r] for r in runs)
     assert all(s.error() is None for r in runs for s in r)
     assert on_vars == off_vars and len(on_vars[0]["check"]) == 3

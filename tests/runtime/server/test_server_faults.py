@@ -231,22 +231,19 @@ def test_crash_loop_ends_in_503(server: Server):
 def test_a_killed_server_takes_its_engine_with_it():
     """SIGKILL of the server mid-stream: its engine process, whose outputs nobody reads any more,
     exits (it once stayed, generating and then waiting to send, holding ~1.3 GB for good)."""
-    s = start_server("--dtype", "float32", "--max-total-tokens", "4096")
-    engine = s.server_info()["engine_pid"]
+    with start_server("--dtype", "float32", "--max-total-tokens", "4096") as s:
+        engine = s.server_info()["engine_pid"]
 
-    async def stream_then_kill() -> None:
-        async with aiohttp.ClientSession() as session, session.post(
-                s.url + "/generate", json={**LONG, "stream": True}) as r:
-            await r.content.readline()  # the engine is generating
-            s.proc.kill()
-            s.proc.wait()
+        async def stream_then_kill() -> None:
+            async with aiohttp.ClientSession() as session, session.post(
+                    s.url + "/generate", json={**LONG, "stream": True}) as r:
+                await r.content.readline()  # the engine is generating
+                s.proc.kill()
+                s.proc.wait()
 
-    try:
-        asyncio.run(stream_then_kill())
-        poll("the orphaned engine to exit", lambda: not process_running(engine), deadline_s=60)
-    finally:
-        if process_running(engine):
-            os.kill(engine, signal.SIGKILL)
-        if s.proc.poll() is None:
-            s.proc.kill()
-        os.unlink(s.log_path)
+        try:
+            asyncio.run(stream_then_kill())
+            poll("the orphaned engine to exit", lambda: not process_running(engine), deadline_s=60)
+        finally:
+            if process_running(engine):
+                os.kill(engine, signal.SIGKILL)

@@ -7,7 +7,7 @@ import pytest
 from server_harness import start_server
 
 from radixlm.runtime.kernels import native
-from radixlm.runtime.kernels.packed import amx_packing, packing_available
+from radixlm.runtime.model.dense_linear import amx_packing, packing_available
 from radixlm.runtime.model.formats import choose_attention, choose_dtype, choose_quantization, cpu_flags
 
 pytestmark = pytest.mark.slow

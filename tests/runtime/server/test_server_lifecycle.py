@@ -8,17 +8,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from typing import Any
 
 import aiohttp
 import pytest
 from dsl_programs import forked
-from server_harness import Server, free_port, next_event, process_running, read_sse, start_server
+from server_harness import Server, next_event, process_running, read_sse, start_server
 
 from radixlm.lang.backends.openai import OpenAI
 from radixlm.lang.backends.runtime_endpoint import BackendError, RuntimeEndpoint
+from radixlm.testing import free_port, http_call, poll
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +27,9 @@ LONG = {"text": "Write a long story.", "stream": True, "sampling_params": {"max_
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-total-tokens", "4096", "--max-queued-requests", "1", "--shutdown-grace", "120",
-                     api_key=KEY)
-    yield s
-    s.stop()  # already stopped by test_sigterm_drains_in_flight_request when the module runs whole
+    with start_server("--max-total-tokens", "4096", "--max-queued-requests", "1", "--shutdown-grace", "120",
+                      api_key=KEY) as s:
+        yield s  # (stopped already by test_sigterm_drains_in_flight_request when the module runs whole)
 
 
 def test_api_key(server: Server):
@@ -160,23 +158,25 @@ def test_a_replica_stops_when_its_launcher_is_gone(tmp_path):
     port, pid_file, log_file = free_port(), tmp_path / "pid", tmp_path / "replica.log"
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(port), str(pid_file), str(log_file)])
     replica = None
+
+    def replica_log() -> str:
+        return log_file.read_text(errors="replace") if log_file.exists() else ""
+
+    def engine_pid() -> int | None:
+        assert launcher.poll() is None, replica_log()
+        try:
+            status, info = http_call(f"http://127.0.0.1:{port}/get_server_info", "GET", timeout=5)
+        except OSError:
+            return None  # not listening yet
+        return int(info["engine_pid"]) if status == 200 else None  # (a 503 while the model loads)
+
     try:
-        end = time.monotonic() + 180
-        while True:
-            assert launcher.poll() is None and time.monotonic() < end, log_file.read_text(errors="replace")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info", timeout=5) as r:
-                    engine = int(json.load(r)["engine_pid"])
-                    break
-            except OSError:
-                time.sleep(0.2)  # not listening, or 503 while the model loads
+        engine = poll("the replica to serve", engine_pid, 180, detail=replica_log)
         replica = int(pid_file.read_text())
         launcher.kill()
         launcher.wait()
-        end = time.monotonic() + 60
-        while process_running(replica) or process_running(engine):
-            assert time.monotonic() < end, "the replica outlived its launcher:\n" + log_file.read_text(errors="replace")
-            time.sleep(0.1)
+        poll("the replica and its engine to stop once their launcher is gone",
+             lambda: not process_running(replica) and not process_running(engine), 60, detail=replica_log)
         assert f"the launcher (pid {launcher.pid}) is gone; stopping" in log_file.read_text(errors="replace")
     finally:
         if launcher.poll() is None:

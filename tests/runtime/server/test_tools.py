@@ -11,13 +11,15 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from server_harness import Server, start_server
 from transformers import AutoTokenizer
 
 from radixlm.runtime.server.openai_api import _messages
 from radixlm.runtime.server.openai_tools import opener_ids, parse_tool_fields, render_chat
 from radixlm.runtime.server.tokenizer import ServerTokenizer
 from radixlm.runtime.tool_calls import HERMES
-from tests.runtime.server.server_harness import Server, start_server
+
+pytestmark = pytest.mark.slow
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},

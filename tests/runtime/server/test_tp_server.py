@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from server_harness import Server, start_server
+from server_harness import Server, process_running, start_server
 
 from radixlm.testing import poll
 
@@ -45,14 +45,6 @@ def wait_restarted(server: Server, restarts: int) -> None:
          lambda: server.get("/health")[0] == 200 and server.server_info()["engine_restarts"] == restarts)
 
 
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_worker_killed_while_idle_restarts_the_engine(server: Server):
     reference = server.generate(GREEDY)["text"]
     [worker] = workers(server)
@@ -78,7 +70,7 @@ def test_hung_worker_fails_the_request_within_the_timeout_then_restarts(server: 
         assert status == 503, body
         assert "tensor-parallel" in body["error"]["message"]
         assert time.monotonic() - start < DEADLINE_S
-        poll("the failed engine to kill its stopped worker", lambda: gone(worker))
+        poll("the failed engine to kill its stopped worker", lambda: not process_running(worker))
     finally:
         with contextlib.suppress(ProcessLookupError):  # (if the test failed before the engine did)
             os.kill(worker, signal.SIGKILL)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from radixlm.runtime.kernels.attention.base import AttentionBackend, AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
-from radixlm.runtime.kernels.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from radixlm.runtime.kv_pool import KVPool
 
 
 def _triton(pool: KVPool, num_heads: int, head_dim: int, prompt_bf16: bool = False) -> AttentionBackend:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from radixlm.runtime.kernels.kv_pool import KVPool
+if TYPE_CHECKING:
+    from radixlm.runtime.kv_pool import KVPool
 
 
 @dataclass(frozen=True)

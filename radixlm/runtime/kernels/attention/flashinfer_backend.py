@@ -28,12 +28,14 @@ flashinfer's kernels take fp16/bf16 only, so a float32 pool is refused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixlm.runtime.kernels.attention.base import AttentionMeta
-from radixlm.runtime.kernels.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from radixlm.runtime.kv_pool import KVPool
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-KV scratch; shared by all wrappers
 DECODE_KERNEL_GROUPS = (1, 2, 3, 4)  # groups run on the CUDA-core decode kernel; others on tensor cores

@@ -31,13 +31,16 @@ the AVX2 kernels from 64 (`NATIVE_AVX2_MIN_QUERIES`).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.attention.base import AttentionMeta
-from radixlm.runtime.kernels.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from radixlm.runtime.kv_pool import KVPool
 
 # fp32 extends of at least this many queries run on the native prompt attention (`native.prefill_attention`):
 # below, the flash kernel, which needs no copy of the keys, was faster (2-core Ice Lake, 9 heads over 3, causal:

@@ -16,13 +16,16 @@ Decode can also run from static buffers (`bind_decode`), the path CUDA graphs ca
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from radixlm.runtime.kernels.attention.base import AttentionMeta
-from radixlm.runtime.kernels.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from radixlm.runtime.kv_pool import KVPool
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32

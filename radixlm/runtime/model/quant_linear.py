@@ -29,7 +29,7 @@ from torch import nn
 
 from radixlm.runtime.kernels import native, native_ir
 from radixlm.runtime.kernels.native import BlockProduct
-from radixlm.runtime.kernels.packed import DenseLinear, amx_packing
+from radixlm.runtime.model.dense_linear import DenseLinear, amx_packing
 
 GROUP = 32  # weights per scale/zero pair in int4 (the GGUF Q4_0/Q4_1 block)
 
@@ -88,7 +88,7 @@ class WeightOnlyLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # (packed for oneDNN where the processor multiplies bf16: radixlm.runtime.kernels.packed)
+        # (packed for oneDNN where the processor multiplies bf16: radixlm.runtime.model.dense_linear)
         self.dense: DenseLinear | WeightOnlyLinear | None = None if dense is None else self.dense_copy(dense, bias)
         self.dense_above = dense_above
 
@@ -250,7 +250,7 @@ class NativeBlockLinear(WeightOnlyLinear):
     an Ice Lake; AVX2: 2-2.8x VNNI's time, 2.1-2.25x the fp16 copy at bs16 decode, docs/benchmarks.md),
     and with fp32 activations also where a dense copy serves only steps of more than that. With fp32
     activations a dense copy is held as bf16 packed for oneDNN where it multiplies bf16 in AMX
-    tiles (`packed.amx_packing`), else as fp16 in FBGEMM's GEMM where this torch has it
+    tiles (`dense_linear.amx_packing`), else as fp16 in FBGEMM's GEMM where this torch has it
     (`Fp16Linear`)."""
 
     def __init__(self, product: BlockProduct, method: str, bias: torch.Tensor | None = None,

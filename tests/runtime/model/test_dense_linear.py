@@ -1,4 +1,4 @@
-"""Dense bf16 linears packed once for oneDNN (radixlm.runtime.kernels.packed): the same products
+"""Dense bf16 linears packed once for oneDNN (radixlm.runtime.model.dense_linear): the same products
 as F.linear to the bit, and a packed model the same logits as the one with plain weights."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from radixlm.runtime.kernels.attention.base import AttentionMeta
 from radixlm.runtime.kernels.attention.torch_backend import TorchAttention
-from radixlm.runtime.kernels.kv_pool import KVPool
-from radixlm.runtime.kernels.packed import DenseLinear, packing_available
+from radixlm.runtime.kv_pool import KVPool
 from radixlm.runtime.model import loader
 from radixlm.runtime.model.arch import ModelArch
+from radixlm.runtime.model.dense_linear import DenseLinear, packing_available
 from radixlm.runtime.model.llama import LlamaModel
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="oneDNN does not multiply bf16 on this CPU")

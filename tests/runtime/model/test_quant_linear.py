@@ -10,9 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.runtime.batch import SeqStep
-from radixlm.runtime.kernels import native, quant
-from radixlm.runtime.kernels.packed import DenseLinear, amx_packing
-from radixlm.runtime.kernels.quant import (
+from radixlm.runtime.kernels import native
+from radixlm.runtime.model import quant_linear
+from radixlm.runtime.model.dense_linear import DenseLinear, amx_packing
+from radixlm.runtime.model.formats import QuantChoice, auto_dense_above
+from radixlm.runtime.model.gguf_quant import four_bit_blocks, q8_0_blocks
+from radixlm.runtime.model.loader import build_model
+from radixlm.runtime.model.quant_linear import (
     Fp16Linear,
     Int4Linear,
     Int8BlockLinear,
@@ -20,9 +24,6 @@ from radixlm.runtime.kernels.quant import (
     fp16_available,
     q4_from_float,
 )
-from radixlm.runtime.model.formats import QuantChoice, auto_dense_above
-from radixlm.runtime.model.gguf_quant import four_bit_blocks, q8_0_blocks
-from radixlm.runtime.model.loader import build_model
 from radixlm.runtime.model_runner import ModelRunner
 
 # block weights in bf16 go to the native VNNI kernels where they run, else to torch's int4 kernel
@@ -228,7 +229,7 @@ def test_fp32_layer_with_a_bf16_copy_above_its_tiles(monkeypatch):
     """As `auto` builds a 4-bit GGUF model where oneDNN multiplies bf16 in AMX tiles (forced here):
     fp32 activations on the 4-bit blocks up to `dense_above` rows (the row kernels, then the tiles),
     a bf16 copy above them, the result in fp32; in bf16 the copy alone serves the steps above."""
-    monkeypatch.setattr(quant, "amx_packing", lambda: True)
+    monkeypatch.setattr(quant_linear, "amx_packing", lambda: True)
     torch.manual_seed(0)
     w = torch.randn(96, 256) * 0.02
     layer = q4_from_float(w, torch.float32, keep_dense=True, dense_above=32)
