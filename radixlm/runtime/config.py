@@ -106,8 +106,8 @@ class SchedulerConfig:
     overlap_schedule: bool | None = None
     # Program-aware admission (docs/programs.md): requests of programs already running go before
     # those that start new programs, fork siblings are admitted together and a fork's prefix stays
-    # locked until its branches are admitted. Off by default: on a loaded 2-core CPU it measured
-    # no better than off (docs/benchmarks.md, "Program-aware scheduling on vs off").
+    # locked until its branches are admitted. Off by default: it measured no better than off
+    # (docs/machines.md; docs/benchmarks.md, "Program-aware scheduling on vs off").
     program_scheduling: bool = False
     # A request that starts a new program (or has none) waits for at most this many admissions of
     # running programs' requests preferred over it; then it goes first. 2048: at 64 the bound
@@ -121,9 +121,9 @@ class SchedulerConfig:
     # program start, and a closed loop of 64 programs on 16 rows ran up to 41 started programs at
     # once, oldest first, so the younger ones waited hundreds of steps between their requests.
     # Twice the rows: at one program a row some rows stayed empty (the programs under way had
-    # nothing to run). 8 steps: on the GPU a program's next request came too late for 2; a
-    # /run_program program's round trip took 3-7 steps on average and more than 8 for 9-20% of them,
-    # hence no gap for the programs the server runs (docs/benchmarks.md).
+    # nothing to run). 8 steps: on the GPU a program's next request came too late for 2, and a
+    # /run_program program's round trip took several steps, at times more than 8, hence no gap for
+    # the programs the server runs (docs/machines.md; docs/benchmarks.md).
     program_active_cap: int = 0
     program_gap_steps: int = 8
 
@@ -171,8 +171,8 @@ class ConstraintConfig:
     # the test; off on CUDA, where masks fill while the forward pass runs.
     mask_on_reject: bool | None = None
     # Threads of llguidance's pool that fills a step's masks together. One is the fastest for
-    # rows of one grammar, which contend in its shared lexer: 64 rows took 0.9-1.4 ms on one
-    # thread, 1.7-1.9 ms on its default 12 (16-core Xeon; docs/structured-output.md).
+    # rows of one grammar, which contend in its shared lexer (docs/machines.md;
+    # docs/structured-output.md).
     grammar_fill_threads: int = 1
     grammar_compile_workers: int = 2
     grammar_cache_size: int = 1024

@@ -1,9 +1,9 @@
 """Engine: the in-process runtime API (generate, async_generate, stream).
 
 There is no background thread: whoever waits for results drives the EngineCore's step loop
-(one caller at a time, under a lock; other callers wait for their outputs). On these CPUs a
-second thread running torch next to the main thread's OpenMP pool is ~50% slower per step, and
-the server runs the core in its own process anyway.
+(one caller at a time, under a lock; other callers wait for their outputs). A second thread
+running torch next to the main thread's OpenMP pool slows every step (docs/machines.md), and the
+server runs the core in its own process anyway.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from radixlm.runtime.distributed.step import StepChannel
 from radixlm.runtime.engine_build import build_runner, check_parallel, context_length, model_source, number_formats
 from radixlm.runtime.engine_report import engine_info, integrity_report
 from radixlm.runtime.faults import FaultBoundary
-from radixlm.runtime.intake import Submission
+from radixlm.runtime.intake import Submission, check_token_ids
 from radixlm.runtime.model.source import ModelSource
 from radixlm.runtime.output_processor import Decision, Finish, OutputProcessor, RequestOutput, Rewind
 from radixlm.runtime.phase_clock import PhaseClock
@@ -177,16 +177,7 @@ class EngineCore:
         if sub.session is not None:
             plan = self.sessions.plan_turn(sub.session, rid, prompt_ids, params.max_new_tokens)
             prompt_ids, params = plan.prompt_ids, plan.cap(params)
-        vocab = self.source.arch.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"request {rid}: token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:  # (blocked as an end token before min_new_tokens, it would fail a whole step)
-            raise ValueError(f"stop_token_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
-        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias holds token id {bad}, outside the vocabulary [0, {vocab})")
+        check_token_ids(rid, prompt_ids, params, self.source.arch.vocab_size)
         if sub.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {sub.top_logprobs_num}")
         req = EngineRequest(

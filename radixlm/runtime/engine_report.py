@@ -3,15 +3,44 @@ and the integrity of its KV bookkeeping."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from radixlm.runtime.radix_cache import IntegrityError
+import torch
 
-if TYPE_CHECKING:
-    from radixlm.runtime.engine_core import EngineCore
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.distributed.launch import WorkerSet
+from radixlm.runtime.engine_build import NumberFormats
+from radixlm.runtime.model.llama import LlamaModel
+from radixlm.runtime.model.source import ModelSource
+from radixlm.runtime.radix_cache import IntegrityError, PrefixCache, SlotAllocator
+from radixlm.runtime.request import EngineRequest
+from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.sessions import SessionManager
 
 
-def engine_info(core: EngineCore) -> dict[str, Any]:
+class ReportedEngine(Protocol):
+    """What these reports read of an engine (EngineCore is one)."""
+
+    config: EngineConfig
+    source: ModelSource
+    formats: NumberFormats
+    model: LlamaModel
+    tokenizer: Any
+    device: torch.device
+    context_length: int
+    eos_ids: frozenset[int]
+    workers: WorkerSet | None
+    allocator: SlotAllocator
+    cache: PrefixCache
+    sessions: SessionManager
+    scheduler: Scheduler
+    requests: dict[str, EngineRequest]
+
+    @property
+    def has_work(self) -> bool: ...
+
+
+def engine_info(core: ReportedEngine) -> dict[str, Any]:
     """What the server reports about the model (get_model_info / get_server_info)."""
     return {
         "model_path": str(core.source.weights_dir or core.source.name),
@@ -38,7 +67,7 @@ def engine_info(core: EngineCore) -> dict[str, Any]:
     }
 
 
-def integrity_report(core: EngineCore) -> dict[str, Any]:
+def integrity_report(core: ReportedEngine) -> dict[str, Any]:
     """Check the KV bookkeeping at any moment; the figures and every broken invariant.
 
     Every slot is free, held by the radix cache, or held by a running request beyond its
@@ -52,20 +81,21 @@ def integrity_report(core: EngineCore) -> dict[str, Any]:
         except IntegrityError as e:
             errors.append(f"{name}: {e}")
     alloc, cache = core.allocator, core.cache
-    held = sum(len(r.slots) - r.tree_len for r in core.scheduler.running)
+    slots_held = sum(len(r.slots) - r.tree_len for r in core.scheduler.running)
     free, cached, total = alloc.num_free, cache.total_size(), alloc.num_slots
-    if free + cached + held != total:
-        errors.append(f"KV slots leaked: free {free} + cached {cached} + held by requests {held} != total {total}")
+    if free + cached + slots_held != total:
+        errors.append(f"KV slots leaked: free {free} + cached {cached} + held by requests {slots_held} "
+                      f"!= total {total}")
     idle = not core.has_work and not core.requests
-    pinned, held = core.sessions.pinned_tokens, core.scheduler.held_tokens
-    if idle and cache.protected_size() > pinned + held:
+    pinned, program_held = core.sessions.pinned_tokens, core.scheduler.held_tokens
+    if idle and cache.protected_size() > pinned + program_held:
         errors.append(f"{cache.protected_size()} cached tokens locked while idle, sessions pin only {pinned} "
-                      f"and programs' fork prefixes hold {held}")
+                      f"and programs' fork prefixes hold {program_held}")
     return {
         "ok": not errors, "errors": errors, "idle": idle,
         "running_requests": len(core.scheduler.running), "waiting_requests": len(core.scheduler.waiting),
-        "kv_slots_total": total, "kv_slots_free": free, "kv_slots_held_by_requests": held,
+        "kv_slots_total": total, "kv_slots_free": free, "kv_slots_held_by_requests": slots_held,
         "cache_tokens": cached, "cache_evictable_tokens": cache.evictable_size(),
         "cache_protected_tokens": cache.protected_size(), "session_pinned_tokens": pinned,
-        "program_held_tokens": held,
+        "program_held_tokens": program_held,
     }

@@ -18,6 +18,19 @@ from radixlm.runtime.sessions import SessionParams
 SESSION_TURN_ERROR = "a session turn is one prompt with n=1; send the others as separate turns"
 
 
+def check_token_ids(rid: str, prompt_ids: Sequence[int], params: SamplingParams, vocab: int) -> None:
+    """Raise ValueError naming the first token id of the prompt, stop_token_ids or logit_bias
+    outside the vocabulary [0, vocab) (a stop token out of it, blocked as an end token before
+    min_new_tokens, would fail a whole step)."""
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"request {rid}: token id {bad} is outside the vocabulary [0, {vocab})")
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})")
+
+
 @dataclass(frozen=True)
 class Submission:
     """One completion: its id, prompt token ids, parsed sampling parameters, logprob options,

@@ -43,9 +43,8 @@ class KVPool:
     On the host a slot holds its K heads and then its V heads in one row (`kv`, [layers, slots,
     2 * kv_heads, d]; `k` and `v` are views of its halves), so a decode step writes a token's K and
     V in one copy (`write_joined`) and gathers a sequence's in one `index_select`: a batch-1 decode
-    step of the default model issues 60 ops fewer (its 30 layers' K/V writes, gathers and attention
-    3.0 -> 2.65 ms, cold, on a 2-core Zen 4; docs/benchmarks.md). On CUDA, where the kernels take
-    K and V by their own strides, they are two tensors (`kv` None)."""
+    step of the default model issues 60 ops fewer (docs/machines.md; docs/benchmarks.md). On CUDA,
+    where the kernels take K and V by their own strides, they are two tensors (`kv` None)."""
 
     def __init__(self, arch: KVShape, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
         if num_slots < 1:
@@ -57,8 +56,8 @@ class KVPool:
             # Host memory is only committed when first written: without this the pool would grow
             # the process's RSS by up to its whole size under load, long after the pool was sized
             # from the memory free at start (which others may have taken by then: an OOM kill
-            # mid-load instead of a failure at start). The page faults are paid once here instead of
-            # inside decode steps (2.5 s per GiB measured on a loaded 2-core machine).
+            # mid-load instead of a failure at start). The page faults, slow on a loaded machine, are
+            # paid once here instead of inside decode steps (docs/machines.md).
             self.kv.zero_()
             self.k, self.v = self.kv[:, :, :heads], self.kv[:, :, heads:]
         else:  # device memory is committed at allocation; attention reads only written slots

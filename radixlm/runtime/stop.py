@@ -27,8 +27,8 @@ import regex
 
 MAX_STOP_REGEXES = 32  # SGLang's limits: patterns per request, and UTF-8 bytes per pattern
 MAX_STOP_REGEX_BYTES = 256
-# Counted repeats are expanded when a pattern compiles (~0.4 us per unit): (a{1000}){1000} took
-# 0.4 s. A pattern whose repeats could expand past this is refused before it compiles.
+# Counted repeats are expanded when a pattern compiles, at a cost per unit, so nested counts take
+# long (docs/machines.md). A pattern whose repeats could expand past this is refused before it compiles.
 MAX_STOP_REGEX_SIZE = 100_000
 REGEX_CONTEXT = 256  # characters of emitted text a regex sees before where a match may start
 REGEX_BUDGET_S = 0.05  # all stop-regex searches of one feed

@@ -7,16 +7,33 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.constrained.jump_forward import JumpPolicy
 from radixlm.runtime.intake import Submission
+from radixlm.runtime.model.source import ModelSource
+from radixlm.runtime.output_processor import OutputProcessor, RequestOutput
 from radixlm.runtime.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from radixlm.runtime.engine_core import EngineCore
+
+class WarmedEngine(Protocol):
+    """What start-up reads and drives of an engine (EngineCore is one)."""
+
+    config: EngineConfig
+    source: ModelSource
+    device: torch.device
+    context_length: int
+    output: OutputProcessor
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def add_request(self, sub: Submission) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
 
 log = logging.getLogger("radixlm.engine")
 
@@ -31,7 +48,7 @@ _JUMP_PROBE_PARAMS = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=
 _WARM_UP_WAVES = [[1], [5], [16], [17], [40], [512], [3, 9], [4] * 16, [4] * 17, [6] * 40]
 
 
-def run_warm_up(core: EngineCore) -> None:
+def run_warm_up(core: WarmedEngine) -> None:
     """On CUDA (decode graphs were captured at load): prefills of 1, a few (the few-row kernel),
     16 and many tokens, alone and batched; eager and graph decode batches; greedy and sampled
     rows. On the CPU there is nothing to compile: one short request."""
@@ -46,7 +63,7 @@ def run_warm_up(core: EngineCore) -> None:
             core.step()
 
 
-def measure_jump_cost(core: EngineCore, max_running: int | None) -> JumpPolicy:
+def measure_jump_cost(core: WarmedEngine, max_running: int | None) -> JumpPolicy:
     """What a jump costs here (JumpPolicy): one request alone, timed step by step with its
     host work, whose first step extends a few tokens (as a jump does) and whose later steps
     decode one; the cheapest of a few tries. CUDA only (it synchronizes the device)."""
@@ -62,7 +79,7 @@ def measure_jump_cost(core: EngineCore, max_running: int | None) -> JumpPolicy:
             torch.cuda.synchronize(core.device)
             times.append(time.perf_counter() - t0)
         extend.append(times[0])
-        decode.extend(times[2:])  # (the second step queues the third's forward ahead: two passes)
+        decode.extend(times[1:-1])  # (the last step only processes the one before)
     if not decode:  # (a context too short for the probe's decode steps: keep the cautious default)
         return core.output.jump_policy
     decode_s = statistics.median(decode)

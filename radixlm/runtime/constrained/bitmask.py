@@ -71,9 +71,9 @@ _NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf; 0 is +0.0
 
 def _apply_on_host(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """The CPU path, without a branch per token: each disallowed token's logit gets -inf added
-    (built as float32 bit patterns from the unpacked bits), the others +0.0. ~20 µs for a row of
-    50k logits in numpy's single-threaded loops; masked writes (a mispredicted branch per token)
-    and torch's intra-op thread pool on a busy machine cost ten times that."""
+    (built as float32 bit patterns from the unpacked bits), the others +0.0, in numpy's
+    single-threaded loops; masked writes (a mispredicted branch per token) and torch's intra-op
+    thread pool on a busy machine cost many times that (docs/machines.md)."""
     bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
     values = logits.detach().numpy()  # shares memory with logits
     vocab_size = values.shape[-1]

@@ -1,8 +1,8 @@
 """Size limits on constraints, checked before anything compiles.
 
-Grammar engines compile some inputs in time that grows much faster than their size (xgrammar:
-~0.2 s for a schema with 300 properties, ~330 s for 3,000; enums and ``choices`` lists of
-100k strings take minutes), and deep nesting overflows Python's recursion limit, or the grammar
+Grammar engines compile some inputs in time that grows much faster than their size (xgrammar's
+schemas of many properties, enums and ``choices`` lists of many strings: docs/machines.md), and
+deep nesting overflows Python's recursion limit, or the grammar
 engine's stack (llguidance follows ``$ref`` chains recursively: ~1,000 definitions that
 each refer to the next crash the process). These checks are linear in the spec's size, iterative
 (no recursion), and say what is too big and the limit. A schema's bytes are bounded loosely (real

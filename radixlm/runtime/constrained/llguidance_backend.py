@@ -350,8 +350,8 @@ class LLGuidanceMatcher:
     allows is nearly always the one accepted next): the token stays taken, unseen, until
     ``accept`` of the same token keeps it; any other call first gives it back (``_settle``).
     (Asking llguidance, while it was warm from the test, what the next calls would ask, the forced
-    text and whether the text is complete, cost the test more than it spared them: measured
-    2026-11-28, docs/benchmarks.md, "Fewer cold calls a step".)"""
+    text and whether the text is complete, cost the test more than it spared them: docs/machines.md;
+    docs/benchmarks.md, "Fewer cold calls a step".)"""
 
     __slots__ = ("_m", "_executor", "vocab_size", "_text", "_stops", "_eos", "_extra_stops", "_accepted",
                  "_terminated", "_tried")
@@ -554,8 +554,8 @@ class LLGuidanceMatcher:
 
 
 def _words(mask: Any) -> Any:
-    """The numpy view of a bitmask (torch or numpy, CPU): its per-word reads and writes cost
-    ~0.2 µs there against several µs on a torch tensor, for every row of every step."""
+    """The numpy view of a bitmask (torch or numpy, CPU): its per-word reads and writes cost far
+    less there than on a torch tensor, for every row of every step (docs/machines.md)."""
     return mask.numpy() if hasattr(mask, "numpy") else mask
 
 

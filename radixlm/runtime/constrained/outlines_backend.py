@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 # interegular is pure Python and its FSM build grows fast with the regex (measured on
-# JSONSchemaBench: ~0.1 s at 1k chars, ~1-3 s at 6k, ~12 s at 13k); past this length a grammar
-# gets no character FSM, i.e. no forced text (masks are unaffected).
+# JSONSchemaBench: docs/machines.md); past this length a grammar gets no character FSM, i.e. no
+# forced text (masks are unaffected).
 CHAR_FSM_MAX_REGEX_LEN = 6000
 # Guide keeps one int per accepted token for rollback; no practical cap (like xgrammar's -1).
 _MAX_ROLLBACK = 2**31 - 1

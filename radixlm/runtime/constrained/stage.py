@@ -74,8 +74,8 @@ class GrammarStage:
 
     def _build(self) -> Future[GrammarService]:
         """The service's build, started in a thread of its own on first use: it describes the
-        tokenizer to the grammar engine (~1 s for the default model on a 2-core CPU), which on the
-        step loop would stall every running request."""
+        tokenizer to the grammar engine, token by token (docs/machines.md), which on the step loop
+        would stall every running request."""
         if self._building is None:
             building: Future[GrammarService] = Future()
 

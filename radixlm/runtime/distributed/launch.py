@@ -107,7 +107,7 @@ class Leader:
         """Tell the workers to exit, leave the process group while they leave theirs, then wait
         for them. NCCL tears its communicators down together (every rank inside
         destroy_process_group at once): rank 0 leaving only after its workers had exited waited
-        for good (two H200s, torch 2.11, NCCL 2.28). A peer already gone cannot join the teardown,
+        for good (docs/machines.md). A peer already gone cannot join the teardown,
         so rank 0 waits for it at most CLOSE_WAIT_S."""
         try:
             self.channel.stop()

@@ -3,7 +3,7 @@
 At batch 1 a linear layer is a matrix-vector product: it reads every weight once and does two
 flops per weight, so it runs at memory speed or not at all. cuBLAS picks split-K kernels plus a
 reduction for the attention projections of an 8B model (N = 6144 / 4096, K = 4096), which
-profiles on an H100 showed at ~52% of copy bandwidth (docs/gpu.md). This kernel gives each
+profiles showed well below copy bandwidth (docs/machines.md; docs/gpu.md). This kernel gives each
 program a block of output features and walks the whole K for them, so there is no reduction
 pass, and loads weight tiles wide and contiguous along K.
 
@@ -169,8 +169,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def rows_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """The launch shape for `m` rows and `n` output features: per row-block size, the shape with
-    the least time over a Llama-3-8B step (32 layers' four weights and the LM head) in the H100
-    sweep of benchmarks/gemv.py --rows (docs/gpu.md); the LM head gets its own above 16 rows."""
+    the least time over a Llama-3-8B step (32 layers' four weights and the LM head) in the sweep
+    of benchmarks/gemv.py --rows (docs/machines.md; docs/gpu.md); the LM head gets its own above
+    16 rows."""
     if dtype == torch.float32:  # four-byte tiles: fewer stages fit in shared memory
         return GemvConfig(32, 64, 4, 3)
     if m <= 16:
@@ -183,8 +184,8 @@ def linear_few(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                add_to: torch.Tensor | None = None) -> torch.Tensor:
     """`gemv` for one row, `linear_rows` for up to MAX_ROWS, with the same options. Above one row
     the RMSNorm and SiLU·up run as their own kernels first: as prologues, every program would
-    recompute them for all its rows, which made the 8B model's decode steps at 8-64 rows
-    1.2-1.8x slower on the H100 (docs/gpu.md)."""
+    recompute them for all its rows, which made the 8B model's decode steps at 8-64 rows slower
+    (docs/machines.md; docs/gpu.md)."""
     if x.shape[0] == 1:
         return gemv(x, weight, bias, silu_mul=silu_mul, norm_weight=norm_weight, eps=eps, add_to=add_to)
     if norm_weight is not None:
@@ -195,6 +196,6 @@ def linear_few(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def default_config(n: int, k: int) -> GemvConfig:
-    """The launch shape for an [N, K] weight. One shape serves all of Llama-3-8B's weights within
-    0.5 µs of each one's best in the H100 sweep of benchmarks/gemv.py (docs/gpu.md)."""
+    """The launch shape for an [N, K] weight. One shape serves all of Llama-3-8B's weights close to
+    each one's best in the sweep of benchmarks/gemv.py (docs/machines.md; docs/gpu.md)."""
     return GemvConfig()

@@ -3,9 +3,9 @@ user's machine needs no compiler; the object is kept in the cache dir for the ne
 object_cache.py): 4-bit (GGUF Q4_1/Q4_0/Q4_K) and 8-bit (Q8_0) weight blocks
 times int8 activation blocks in integers, as llama.cpp multiplies at batch 1: through AVX-512
 VNNI where the processor has it, else through AVX2. torch's own int4 kernel converts
-each weight to a float and stays compute-bound (~16 GB/s on a Zen 4 core pair), and has no fast
-path for fp32 activations at all; these read the weights at the memory's speed. The IR and its
-layout: native_ir.py; the structs and signatures both sides share, and the keyword callers that
+each weight to a float and stays compute-bound, well below the memory's speed (docs/machines.md),
+and has no fast path for fp32 activations at all; these read the weights at the memory's speed. The IR and its
+layout: native_ir.py and its ir_*.py parts; the structs and signatures both sides share, and the keyword callers that
 check their arguments: native_abi.py; the worker threads' protocol: thread_pool.py.
 
 `BlockProduct` holds one matrix in the kernels' layout and multiplies [rows, K] bf16 or fp32
@@ -477,9 +477,9 @@ def prefill_bf16_available() -> bool:
 
 def prefill_preferred() -> bool:
     """Whether prompts take `prefill_attention` rather than torch's flash kernel here: with the
-    AVX-512 module wherever it runs; with the AVX2 one on AMD processors only (one layer of 1,024
-    queries: 1.6x the flash kernel on a Zen 5, 0.9x on an Intel Xeon; 256 over 2,000 keys 1.2x
-    and 0.65x; docs/benchmarks.md, "One number format for every processor")."""
+    AVX-512 module wherever it runs; with the AVX2 one on AMD processors only, where it beats the
+    flash kernel (on Intel processors it lost: docs/machines.md; docs/benchmarks.md, "One number
+    format for every processor")."""
     return prefill_available() and (isa() == "avx512" or _vendor() == "AuthenticAMD")
 
 
@@ -491,7 +491,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     rows `slots` (int64 [N]; None: all rows in order) of k, v [R, kv_heads, 64] (fp32; heads and d
     contiguous, rows may be strided: a host pool's layer, K and V sharing a row), N - n of them a
     cached prefix -> [n, heads * 64]. K and V are laid out once per call as the kernel reads them
-    (`native_ir._layout`: [kv_heads, N / 16, 64, 16] and [kv_heads, N, 64], N padded to 16); the
+    (`ir_prompt_attention._layout`: [kv_heads, N / 16, 64, 16] and [kv_heads, N, 64], N padded to 16); the
     items (PREFILL_ROWS positions of one head) are split between the threads (torch's OpenMP pool
     outside a busy stretch). `isa_name`: the kernels of that instruction set (default: this
     process's). `bf16` (AVX-512 BF16 processors: `prefill_bf16_available`): q, K, V and the weights
@@ -521,7 +521,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         return out
     padded = -(-total // 16) * 16
     # the keys in blocks of 16, each block [d, 16]: read in order (rows of a [d, N] layout N * 4
-    # bytes apart fell into the same cache sets, 4 KiB apart at 1,024 keys: 7 of a layer's 11 ms)
+    # bytes apart fall into the same cache sets: docs/machines.md)
     # (bf16: each key's dims in pairs [kv_heads, N / 16, 32, 16, 2], and the values' keys in pairs
     # [kv_heads, N / 2, 64, 2], as `vdpbf16ps` multiplies them)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -578,7 +578,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def write_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
     """dst[slots[t]] = src[t] for a contiguous dst [S, ...] and src [T, ...] of dst's row shape
     and dtype whose rows are each contiguous (rows themselves may be strided; int64 slots [T] in
-    range): `index_copy_` in one loop of row copies (~10 against ~3 us for a decode step's row)."""
+    range): `index_copy_` in one loop of row copies, cheaper a call than torch's (docs/machines.md)."""
     if (src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:] or not dst.is_contiguous()
             or not src[:1].is_contiguous() or slots.dtype != torch.int64 or not slots.is_contiguous()
             or slots.shape != (src.shape[0],)):

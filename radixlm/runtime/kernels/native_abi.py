@@ -1,7 +1,7 @@
 """The native kernels' binary interface, declared once: each struct as one field list (name, C
 type) and each exported function as one parameter list (name, kind), from which come both sides
 of the boundary: the LLVM struct types, field accesses and `define` lines in the IR
-(native_ir.py), and the ctypes `Structure`s, `CFUNCTYPE`s and keyword-checked callers in Python
+(native_ir.py and its ir_*.py parts), and the ctypes `Structure`s, `CFUNCTYPE`s and keyword-checked callers in Python
 (native.py). A field or parameter added, removed or reordered here moves on both sides at once.
 
 The structs of int64 words (a matrix's descriptor, a posted job, a decode step, a layer) hold
@@ -328,7 +328,7 @@ ROW_JOB_PARAMS = ("ctl", "rows", "workers", "threads")  # a row job's parameters
 
 
 def row_params(function: Function) -> tuple[Param, ...]:
-    """The parameters of a row job (`native_ir._row_job`) that its job carries."""
+    """The parameters of a row job (`ir_elementwise._row_job`) that its job carries."""
     return tuple(p for p in function.params if p.name not in ROW_JOB_PARAMS)
 
 

@@ -2,10 +2,9 @@
 
 `F.linear` on a bf16 CPU tensor runs oneDNN's matmul, which lays the weight out in its own
 blocked format on every call; a weight packed once (`mkldnn._reorder_linear_weight`, the op
-torch's own compiler uses when it freezes a model) skips that work. On a 2-core Zen 4 with
-avx512_bf16 the default model's matrices multiply ~1.2x faster at 16 rows and up to ~1.9x at
-one (the 49152 x 576 LM head: 6.6 -> 3.6 ms at 16 rows), with the same result to the bit
-(benchmarks/quant_kernels.py, docs/benchmarks.md). Only bf16 is packed: in fp32 the packed
+torch's own compiler uses when it freezes a model) skips that work, most at steps of few rows,
+with the same result to the bit (docs/machines.md; benchmarks/quant_kernels.py,
+docs/benchmarks.md). Only bf16 is packed: in fp32 the packed
 kernel rounds differently from `F.linear` (MKL's), so fp32 models keep plain weights.
 """
 

@@ -5,18 +5,17 @@ weights stay quantized. Each choice comes with the reason, logged at start and s
 - dtype `auto`: bf16 on CUDA. On a CPU, a 4-bit GGUF model that `--quantization auto` keeps
   quantized runs fp32 activations where the native tiled kernels run: its steps then run on them
   (the fused decode step, the tiled products, the prompt attention), faster than the bf16 path
-  even where the processor multiplies bf16 natively (a Zen 5 with avx512_bf16: bs1 1.5-1.7x,
-  bs16 2.0x, a 1k prompt 1.4x; an AMX Xeon, with the copy below: bs1 1.8x, bs16 2.0x;
-  docs/benchmarks.md, "One number format for every processor"). Otherwise bf16 where the processor
-  multiplies bf16 natively (the avx512_bf16 or amx_bf16 flags, `bf16` on Arm), else fp32
-  (AVX2-only processors emulate bf16 matmuls, ~3x slower than fp32 at 64 rows). Without
-  readable CPU flags a tiny matmul is timed in both dtypes.
+  even where the processor multiplies bf16 natively (docs/machines.md; docs/benchmarks.md, "One
+  number format for every processor"). Otherwise bf16 where the processor multiplies bf16 natively
+  (the avx512_bf16 or amx_bf16 flags, `bf16` on Arm), else fp32 (other processors emulate bf16
+  matmuls, slower than fp32: docs/machines.md). Without readable CPU flags a tiny matmul is timed
+  in both dtypes.
 - quantization `auto`: on a CPU in bf16, a GGUF model whose linear weights are 4-bit runs from
   them (int4 at steps of few rows, a dense copy above). In fp32 chosen by `--dtype auto` it runs
   from them where the native kernels run (AVX-512 VNNI or AVX2: 4-bit blocks times int8
   activation blocks): at every step where the tiles run, but for steps of more than
   AMX_DENSE_ABOVE rows (prompts) on a dense bf16 copy where oneDNN multiplies bf16 in AMX tiles
-  (1.3-1.8x the tiles at a 1k prompt); without the tiles up to a few rows, an fp16 copy in
+  (faster than the tiles at long prompts: docs/machines.md); without the tiles up to a few rows, an fp16 copy in
   FBGEMM's GEMM above. Any other model in fp32 runs fp16 weights in FBGEMM's fp16 GEMM (half the
   bytes of fp32, fp32 accumulation; torch's int4/int8 kernels have no fast fp32 path) where this
   torch has it. Everything else keeps dense weights.
@@ -33,24 +32,23 @@ from radixlm.runtime.kernels.cpuinfo import CPUINFO, cpuinfo_field
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # Where oneDNN multiplies bf16 in AMX tiles, a 4-bit GGUF model in fp32 keeps a dense bf16 copy
-# for steps of more rows than this (a 1k prompt 1.3-1.8x the tiles; the fused decode step takes up to
-# native_ir.BUSY_ROWS rows, so decode batches up to that stay on the 4-bit weights).
+# for steps of more rows than this, which prompts run faster on than on the tiles (docs/machines.md);
+# the fused decode step takes up to native_ir.BUSY_ROWS rows, so decode batches up to that stay on
+# the 4-bit weights.
 AMX_DENSE_ABOVE = 32
-# Steps of more rows than this use the dense copy under --quantization auto: in the default
-# model's decode steps (weights cold in memory, avx512_bf16 Zen 4) the int4 kernel beats the
-# packed bf16 copy up to 4 rows (2 concurrent requests 1.6x, 4 1.26x) and loses by 16 (0.75x);
-# benchmarks/quant_kernels.py and docs/benchmarks.md. With the native VNNI kernels (which take 4
-# rows a pass) the quantized steps beat the dense copy up to 16 rows (bs2 2.7x, bs4 2.0x, bs8 1.26x,
-# bs16 1.08x; docs/benchmarks.md, "Native VNNI kernels").
+# Steps of more rows than this use the dense copy under --quantization auto: in decode steps with
+# the weights cold in memory, torch's int4 kernel (fewer bytes to read) beats the packed bf16 copy
+# up to 4 rows and loses by 16 (docs/machines.md; benchmarks/quant_kernels.py and docs/benchmarks.md).
+# With the native VNNI kernels (which take 4 rows a pass) the quantized steps beat the dense copy up
+# to 16 rows (docs/machines.md; docs/benchmarks.md, "Native VNNI kernels").
 AUTO_DENSE_ABOVE = 4
 NATIVE_DENSE_ABOVE = 16
 # With fp32 activations (no native bf16) the dense copy is FBGEMM's fp16 GEMM, which the native
-# row kernels beat up to 4 rows and lose to from ~8 (Ice Lake, 2 threads, weights cold: 30 layers'
-# products 24.8 against 28.9 ms at 4 rows, 31.1 / 28.9 at 8, 82.7 / 59.0 at 16; docs/benchmarks.md,
-# "Native kernels without native bf16"). Where the tiled products run (AVX-512 VNNI, AVX2) there
-# is no dense copy: VNNI's beat FBGEMM's fp16 GEMM at every row count from 5 ("Tiled products");
-# AVX2's measured 0.83-0.94x FBGEMM's (AVX-512) fp16 GEMM at a 1k prompt and 2.1-2.25x at bs16
-# decode (the AVX2 code on an Ice Lake: "Tiled products on AVX2"), with one copy of the weights.
+# row kernels beat up to 4 rows and lose to from ~8 with the weights cold (docs/machines.md;
+# docs/benchmarks.md, "Native kernels without native bf16"). Where the tiled products run (AVX-512
+# VNNI, AVX2) there is no dense copy: VNNI's beat FBGEMM's fp16 GEMM at every row count from 5
+# ("Tiled products"); AVX2's, set against FBGEMM's fp16 GEMM at a long prompt and at decode batches
+# (docs/machines.md; "Tiled products on AVX2"), keep one copy of the weights.
 NATIVE_FP32_DENSE_ABOVE = 4
 
 
@@ -129,8 +127,8 @@ def choose_attention(requested_dtype: str, dtype: str, device: str, head_dim: in
     sums are fp32 either way), where prompts run on it (fp32 activations, head size 64, the torch
     backend, a processor that prefers it: `native.prefill_preferred`): bf16 pairs where `--dtype
     auto` chose fp32 activations and the processor multiplies bf16 natively
-    (`native.prefill_bf16_available`): 1.6x the fp32 form's speed on a Zen 4, ~1.2x a whole 1k
-    prompt's, the rounding of GPU attention kernels (docs/engine.md, "Number formats")."""
+    (`native.prefill_bf16_available`): faster than the fp32 form (docs/machines.md), with the
+    rounding of GPU attention kernels (docs/engine.md, "Number formats")."""
     from radixlm.runtime.kernels import native
 
     if device != "cpu" or dtype != "float32" or head_dim != 64 or backend != "torch" or not native.prefill_preferred():

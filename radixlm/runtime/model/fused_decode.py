@@ -1,4 +1,4 @@
-"""A CPU decode step's decoder layers in one native call (`native_ir.decode_layers`).
+"""A CPU decode step's decoder layers in one native call (`ir_elementwise._decode_layers`).
 
 At batch 1 the layer loop issues ~13 calls a layer from Python (norms, the four products, the
 rotation, the K/V write, the attention, SwiGLU, two adds): ~390 a step of the default model, each
@@ -111,7 +111,7 @@ class FusedDecode:
         m = h.shape[0]
         residual = h.contiguous()
         buffers = self._buffers(m)
-        cos, sin = rotary.cos.contiguous(), rotary.sin.contiguous()  # (a token's row: `native_ir._rotate`)
+        cos, sin = rotary.cos.contiguous(), rotary.sin.contiguous()  # (a token's row: `ir_elementwise._rotate`)
         slots = backend.meta.out_slots.contiguous()
         idx, lens = backend.decode_kv_idx.contiguous(), backend.decode_lens.contiguous()
         longest = idx.numel() // m

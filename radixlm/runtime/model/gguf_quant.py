@@ -142,7 +142,7 @@ class GGUFLinears:
             return four_bit_linear(q.to(torch.int32), scale, minimum, dtype, keep_dense=keep,
                                    dense_above=dense_above)
         # 8-bit blocks run on the native kernels, or on the int4 kernel, whose fast path is bf16: in
-        # fp32 the default model's head took 52 ms a row that way against 13 ms as int8 per row (Zen 4)
+        # fp32 a head through the int4 kernel is slower than as int8 per row (docs/machines.md)
         row_length = int(parts[0][1].shape[0])  # (GGUF shapes list the row's length first)
         blocks = method == "q4" and (dtype == torch.bfloat16 or uses_native(dtype, row_length))
         if blocks and kinds == {"Q8_0"}:

@@ -41,14 +41,13 @@ def host_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
     In bf16 and fp32 the norm is LayerNorm's fused kernel over [x, -x]: that row's mean is zero
     and its variance is mean(x^2), so its first half is x / sqrt(mean(x^2) + eps), computed in
-    fp32 (and rounded once to bf16, as HF's RMSNorm rounds it); ~10 instead of ~16 us a call at
-    one row in bf16 and ~13 instead of ~20 in fp32 (`F.rms_norm` runs as six separate ops on the
-    CPU), 61 calls a step in the default model. In bf16 the results equal HF's formula except a
-    few elements in 10^5 (at most 1 in 10^3), each one bf16 step apart; in fp32 they are within
-    a few fp32 steps of it: the kernel's fp32 mean and variance round differently
-    (tests/runtime/model/test_host_rms_norm.py). fp32 rows go to the native kernels where they
-    run (`native.rms_norm`: one pass a row, the rows split between threads; at one row 9 against
-    25 us, at 1,024 rows 0.12 against ~1 ms on an Ice Lake)."""
+    fp32 (and rounded once to bf16, as HF's RMSNorm rounds it): one fused op where `F.rms_norm`
+    runs as six separate ones on the CPU, 61 calls a step in the default model (docs/machines.md).
+    In bf16 the results equal HF's formula except a few elements in 10^5 (at most 1 in 10^3), each
+    one bf16 step apart; in fp32 they are within a few fp32 steps of it: the kernel's fp32 mean and
+    variance round differently (tests/runtime/model/test_host_rms_norm.py). fp32 rows go to the
+    native kernels where they run (`native.rms_norm`: one pass a row, the rows split between
+    threads; docs/machines.md)."""
     if _native_norm(x, weight):
         return native.rms_norm(x, weight, eps)
     if x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and weight.dtype == torch.float32):
@@ -59,8 +58,8 @@ def host_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 def host_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the fused gate/up projection [..., 2 * I] off CUDA: fp32 rows on the
-    native kernels where they run (one pass; 0.6 against 1.2 ms at 1,024 rows, ~10 against ~15 us
-    at one, on a 2-core Ice Lake), else two torch ops on the halves (slices: fewer ops than chunk)."""
+    native kernels where they run (one pass instead of two ops: docs/machines.md), else two torch
+    ops on the halves (slices: fewer ops than chunk)."""
     inter = gate_up.shape[-1] // 2
     if (gate_up.dtype == torch.float32 and gate_up.dim() == 2 and inter % 16 == 0 and gate_up.is_contiguous()
             and native.available()):
@@ -237,8 +236,8 @@ def _few_rows_call(module: nn.Module) -> tuple[Linear, int]:
 class HostLayer:
     """A decoder layer's norm weights and linear layers (q/k/v, o, gate/up, down) bound once for
     the CPU loop (`LlamaModel._forward_host`): calling a bound `forward` skips nn.Module's call
-    machinery and attribute lookups, ~0.8 ms of a 13 ms batch-1 step of the default model (30
-    layers, 2 threads). `few` are the same four products for steps of at most `few_rows` rows,
+    machinery and attribute lookups, paid per layer and per product in every step
+    (docs/machines.md). `few` are the same four products for steps of at most `few_rows` rows,
     where a quantized layer's kernel is called directly."""
 
     index: int

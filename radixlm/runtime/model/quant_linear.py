@@ -4,17 +4,17 @@ At batch 1 a linear layer reads every weight once per token, so its time is the 
 over memory bandwidth: 4-bit weights with a bf16 scale and zero point per 32 (0.625 bytes per
 weight, the GGUF Q4_1 size) are read ~3x faster than bf16. The products run in torch's CPU
 kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`); benchmarks/quant_kernels.py
-measured them against dense bf16 at the default model's shapes (docs/benchmarks.md): about 2x
-faster at one row, but 1.7-2.5x slower from 16 rows up, where the dense matmul is compute-bound
-and these kernels are not tuned. So a layer may keep a dense copy of its weights for steps of
+measured them against dense bf16 at the default model's shapes (docs/machines.md;
+docs/benchmarks.md): faster at one row, but slower from 16 rows up, where the dense matmul is
+compute-bound and these kernels are not tuned. So a layer may keep a dense copy of its weights for steps of
 more rows than `dense_above` (memory for speed; `None`: no copy, the quantized kernel always).
 
 `fp16` is for processors without native bf16, where the model runs in fp32 and torch's
-int4/int8 kernels have no fast path (10-1000x slower than a fp32 matmul): the weights are held
-in fp16 and multiplied by FBGEMM's fp16 GEMM (`quantized::linear_dynamic_fp16`), which reads
-half the bytes of fp32 and accumulates in fp32. On an AVX2-only EPYC it beats the fp32 matmul at
-every step shape of the default model (2x at 16 rows; docs/benchmarks.md), and a row's output
-moves with the batch size by ~1e-6, as a fp32 matmul's does.
+int4/int8 kernels have no fast path (far slower than a fp32 matmul: docs/machines.md): the
+weights are held in fp16 and multiplied by FBGEMM's fp16 GEMM (`quantized::linear_dynamic_fp16`),
+which reads half the bytes of fp32 and accumulates in fp32. It beats the fp32 matmul at every step
+shape of the default model (docs/machines.md; docs/benchmarks.md), and a row's output moves with
+the batch size by ~1e-6, as a fp32 matmul's does.
 """
 
 from __future__ import annotations
@@ -204,9 +204,9 @@ class Int8BlockLinear(Int4Linear):
     hi = q >> 4 in -8..7 and lo = q & 15, so W x = [W_hi | W_lo] [x, x] where W_hi has scale
     16 * scale and W_lo scale `scale`. The same weights (their scales rounded to bf16) in 1.25
     bytes a weight. Why: torch's int8 kernel is compute-bound on the CPU, and the per-row scale
-    it takes loses the blocks' own; for the default model's LM head (49152 x 576, Q8_0) one row
-    took 2.2-2.9 ms that way and 1.8-2.0 ms this way, with a 5x smaller error against the
-    file's weights (Zen 4 with avx512_bf16; docs/benchmarks.md)."""
+    it takes loses the blocks' own; for the default model's LM head (49152 x 576, Q8_0) a row runs
+    faster this way, with a 5x smaller error against the file's weights (docs/machines.md;
+    docs/benchmarks.md)."""
 
     method = "q8_0"
 
@@ -246,12 +246,11 @@ class NativeBlockLinear(WeightOnlyLinear):
     converts each to a float. Used in place of `Int4Linear` / `Int8BlockLinear` where the
     processor runs them (`native.available()`: AVX-512 VNNI or AVX2), for bf16 or fp32
     activations. A layer without a dense copy also holds its weights tiled for steps of more than
-    4 rows (`native.pack_tiles`; AVX-512 VNNI: 1.4-1.7x FBGEMM's fp16 GEMM from 8 to 1,024 rows on
-    an Ice Lake; AVX2: 2-2.8x VNNI's time, 2.1-2.25x the fp16 copy at bs16 decode, docs/benchmarks.md),
-    and with fp32 activations also where a dense copy serves only steps of more than that. With fp32
-    activations a dense copy is held as bf16 packed for oneDNN where it multiplies bf16 in AMX
-    tiles (`dense_linear.amx_packing`), else as fp16 in FBGEMM's GEMM where this torch has it
-    (`Fp16Linear`)."""
+    4 rows (`native.pack_tiles`; set against FBGEMM's fp16 GEMM in docs/machines.md and
+    docs/benchmarks.md), and with fp32 activations also where a dense copy serves only steps of
+    more than that. With fp32 activations a dense copy is held as bf16 packed for oneDNN where it
+    multiplies bf16 in AMX tiles (`dense_linear.amx_packing`), else as fp16 in FBGEMM's GEMM where
+    this torch has it (`Fp16Linear`)."""
 
     def __init__(self, product: BlockProduct, method: str, bias: torch.Tensor | None = None,
                  dense: torch.Tensor | None = None, dense_above: int | None = None) -> None:

@@ -381,8 +381,8 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a (B, V) tensor. On the CPU in fp32 through numpy, whose argmax is
-    vectorized: torch's took ~75 us a row of the default model's 49k logits, numpy's ~6 us
-    (2-core Zen 4). Both give the first index of the maximum (of a NaN, if any)."""
+    vectorized and many times faster than torch's over a vocabulary's logits (docs/machines.md).
+    Both give the first index of the maximum (of a NaN, if any)."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.from_numpy(x.numpy().argmax(-1))
     return x.argmax(dim=-1)

@@ -213,11 +213,11 @@ class AdmissionPass:
     be admitted now, and the count of who overtook whom (``Request.passed_over``).
 
     A request may overtake only those still below the fairness bound, checked in O(log n) a
-    candidate (a heap of the requests at the bound): with a thousand requests waiting, listing the
-    ones each candidate overtakes cost an H100 half its throughput under fcfs. While no request can
-    reach the bound in this pass (each admission passes a request at most once), the passes are
-    counted once at its end (``close``), not by a scan of the queue per admission (the same counts;
-    ~0.3 ms a step at ~100 waiting requests on a loaded CPU)."""
+    candidate (a heap of the requests at the bound): with a long queue, listing the ones each
+    candidate overtakes costs a large share of the throughput under fcfs (docs/machines.md). While
+    no request can reach the bound in this pass (each admission passes a request at most once), the
+    passes are counted once at its end (``close``), not by a scan of the queue per admission (the
+    same counts, less host time a step: docs/machines.md)."""
 
     def __init__(self, programs: ProgramAdmission, base: list[Request], free_rows: int, now: int) -> None:
         self.programs = programs

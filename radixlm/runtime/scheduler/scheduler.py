@@ -16,9 +16,9 @@ Program-aware admission (config.program_scheduling) is a policy the scheduler as
 now, and which fork prefixes to keep locked for their branches.
 
 Where steps can replay as CUDA graphs (`GraphRoom`), short prompt pieces that would push a step
-past what a graph holds wait for the next step instead: on an H200 the default model's step
-took ~1 ms replayed and ~15 ms eager, so one step of 32 programs' next prompts, all arriving
-together, cost more than two replayed steps.
+past what a graph holds wait for the next step instead: an eager step costs many times a replayed
+one, so one step of 32 programs' next prompts, all arriving together, costs more than two replayed
+steps (docs/machines.md).
 """
 
 from __future__ import annotations
@@ -206,8 +206,8 @@ class Scheduler:
         """Prompt tokens this step may feed: the chunk, but a prompt alone on the server (nothing
         decoding, no other prompt in flight or waiting) up to ``max_prefill_tokens``. Chunks keep
         other requests' tokens coming between the pieces of a long prompt; with none to serve they
-        only cost the prompt speed (an 8B model's 4k prompt on one H200: one step 1.14x faster than
-        chunks of 512; docs/benchmarks.md). Either is cut to what is expected to run in
+        only cost the prompt speed (a long prompt runs faster in one step than in chunks:
+        docs/machines.md; docs/benchmarks.md). Either is cut to what is expected to run in
         ``prefill_step_seconds`` (not below MIN_TIMED_PIECE): on a 2-core CPU a step of 4,096
         prompt tokens took seconds, and every request arriving meanwhile waited for it."""
         alone = not decoding and len(prefilling) + len(self.waiting) == 1

@@ -75,8 +75,8 @@ class ServerContext:
         self._dispatcher = Dispatcher(self._client, self.metrics, self.settings.max_queued_requests,
                                       self.settings.max_pending_outputs, self.retry_headers)
         # What the server holds from now on (modules, the tokenizer, the app: ~231,000 objects) stays
-        # out of the cyclic collector, as in the engine process: a full pass over that many took
-        # 90-160 ms on a busy 2-core CPU, a stop of the event loop and every request in flight.
+        # out of the cyclic collector, as in the engine process: a full pass over that many stops
+        # the event loop and every request in flight for a long while (docs/machines.md).
         gc.collect()
         gc.freeze()
         if self.phase is Phase.STARTING:

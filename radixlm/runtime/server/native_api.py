@@ -67,8 +67,8 @@ TOKENIZE_FIELDS = ("prompt", "add_special_tokens", "model")  # SGLang's /tokeniz
 DETOKENIZE_FIELDS = ("tokens", "skip_special_tokens", "model")  # SGLang's /detokenize request
 HEALTH_GENERATE_TIMEOUT = 30.0
 # a /generate body whose prompts are at most this many characters (or token ids) in all is parsed
-# on the event loop (tokenizing ~1k characters took ~0.7 ms on a 2-core Ice Lake); a longer one in a
-# thread, so that it does not stall other requests. A thread costs the body two turns of the loop,
+# on the event loop (tokenizing that much is brief: docs/machines.md); a longer one in a thread, so
+# that it does not stall other requests. A thread costs the body two turns of the loop,
 # and its tokenizing took turns with the loop for the GIL (docs/server.md, "Processes").
 INLINE_PARSE_SIZE = 1024
 

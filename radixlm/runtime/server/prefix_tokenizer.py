@@ -2,8 +2,8 @@
 
 A program the server runs (/run_program) sends texts that grow: a gen's prompt is the last
 one's plus its output and the program's next words, a select sends its prefix and then the
-prefix with each choice. Tokenizing each text whole took ~1-2 ms a thousand characters on the
-server's event loop (the transformers wrapper alone ~70 us a call). Under a byte-level BPE
+prefix with each choice. Tokenizing each text whole costs the server's event loop time in
+proportion to the text, on top of the transformers wrapper's cost a call (docs/machines.md). Under a byte-level BPE
 tokenizer with a split rule (:mod:`radixlm.runtime.constrained.pre_tokens`), text before a place
 where it always splits tokenizes inside the whole as it does alone. So a text that extends one
 tokenized before keeps that text's tokens up to its last such place and tokenizes the rest:

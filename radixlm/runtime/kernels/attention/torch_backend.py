@@ -5,19 +5,18 @@ Decode tokens (one new token per sequence) are batched into one padded call; eac
 
 In the decode call, the query heads that share a KV head take the place of the query length
 ([B, kv_heads, heads / kv_heads, d] against [B, kv_heads, L, d]): every query of a sequence sees
-the same keys, so this is the same attention, and PyTorch's CPU kernel runs it 5-7x faster than
-one query per head with `enable_gqa` (SmolLM2's 9 heads over 3 KV heads, 128-1024 keys, bf16).
+the same keys, so this is the same attention, and PyTorch's CPU kernel runs it several times
+faster than one query per head with `enable_gqa` (docs/machines.md).
 
 Extends in bf16 on a CPU with avx512_bf16 but no AMX run as blocks of queries instead
-(`blocked_extend`): there PyTorch's CPU flash kernel multiplies bf16 at about fp32's speed (a 1k
-causal prompt of the default model on a Zen 4: 12.3 ms a layer in bf16, 11.3-14.3 in fp32), while
-its plain bf16 matmuls reach ~400 GFLOP/s; 128 queries at a time, with the heads that share a KV
-head stacked as rows, run the same causal attention in 7.3-9 ms (1.3-1.9x faster from 512 to 4k
-tokens, with or without a cached prefix; docs/benchmarks.md). With AMX the flash kernel multiplies
-on the tiles and is 2-4x faster than the blocks (an AMX Xeon: 5.7 against 11.3 ms at 1k, 2
-threads), so it stays, as it does without native bf16 (not measured), in fp32 (where the blocks
-are slower) and for short extends (`BLOCKED_MIN_QUERIES`, `BLOCKED_MIN_PAIRS`), a jump-forward's
-few tokens say, where the blocks' fixed ~0.2 ms a layer costs more than the flash kernel's call.
+(`blocked_extend`): there PyTorch's CPU flash kernel multiplies bf16 at about fp32's speed, while
+its plain bf16 matmuls run much faster; 128 queries at a time, with the heads that share a KV head
+stacked as rows, run the same causal attention faster from 512 to 4k tokens, with or without a
+cached prefix (docs/machines.md; docs/benchmarks.md). With AMX the flash kernel multiplies on the
+tiles and beats the blocks (docs/machines.md), so it stays, as it does without native bf16 (not
+measured), in fp32 (where the blocks are slower) and for short extends (`BLOCKED_MIN_QUERIES`,
+`BLOCKED_MIN_PAIRS`), a jump-forward's few tokens say, where the blocks' fixed cost a layer is more
+than the flash kernel's call.
 
 fp32 extends of 256 queries and more, where the native kernels run and are the faster (AVX-512 VNNI;
 AVX2 on AMD processors: `native.prefill_preferred`), run
@@ -43,23 +42,17 @@ if TYPE_CHECKING:
     from radixlm.runtime.kv_pool import KVPool
 
 # fp32 extends of at least this many queries run on the native prompt attention (`native.prefill_attention`):
-# below, the flash kernel, which needs no copy of the keys, was faster (2-core Ice Lake, 9 heads over 3, causal:
-# 32 queries over 1,000 keys 0.61 against 1.10 ms, 128 over 128 0.28 / 0.32; 256 over 256 1.11 / 0.75, 512 over
-# 512 4.1 / 2.6, 1,024 over 1,024 12.2 / 10.2; 256 over 2,000 9.6 / 9.4)
+# below, the flash kernel, which needs no copy of the keys, is the faster (docs/machines.md)
 NATIVE_MIN_QUERIES = 256
 # ... from this many on the AVX2 kernels (AMD processors only: `native.prefill_preferred`), the kernels laying
-# out K and V themselves (a Zen 4 running the AVX2 code, native / flash best of 21 over a 0 / 500 / 1,000 / 2,000 /
-# 4,000-key prefix: 64 queries 0.59 / 0.80 / 0.78 / 0.81 / 0.82, 32 0.72 / 0.81 / 0.86 / 0.88 / 1.21, 16 0.99-1.70;
-# a Zen 5, before: faster from 64 queries)
+# out K and V themselves, faster than the flash kernel from there over any cached prefix (docs/machines.md)
 NATIVE_AVX2_MIN_QUERIES = 64
-# ... and in its bf16 form from this many queries, whatever the cached prefix (Zen 4, 9 heads over 3, native bf16
-# / flash best of 21, over a 0 / 500 / 1,000 / 2,000 / 4,000-key prefix: 16 queries 0.95 / 0.61 / 0.51 / 0.50 /
-# 0.52, 8 queries 0.90 / 0.69 / 0.63 / 0.63 / 0.61, 64 0.70 / 0.45 / 0.42 / 0.41 / 0.37; docs/benchmarks.md,
+# ... and in its bf16 form from this many queries, whatever the cached prefix (docs/machines.md; docs/benchmarks.md,
 # "bf16 products in the prompt attention")
 NATIVE_BF16_MIN_QUERIES = 16
-EXTEND_BLOCK = 128  # queries per block of `blocked_extend`: 64 and 256 measured slower at 0.5k-4k tokens
-# below these an extend keeps the flash kernel (measured: 16 queries over 2k keys 1.12 vs 1.17 ms,
-# 32 over 532 0.51 vs 0.54, 64 over 164 0.39 vs 0.47; 32 over 2k 1.93 vs 1.32, 64 over 564 1.17 vs 0.75)
+EXTEND_BLOCK = 128  # queries per block of `blocked_extend`: the fastest of the sizes measured (docs/machines.md)
+# below these an extend keeps the flash kernel, where the blocks' fixed cost outweighs what they
+# spare (docs/machines.md)
 BLOCKED_MIN_QUERIES = 32
 BLOCKED_MIN_PAIRS = 32768  # queries x keys
 # a block's scores (heads x rows x keys) stay under this many elements: fewer rows a block at long

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
-DECODE_BLOCK_N = 32  # with 2 programs per SM and 3 stages: the H100 sweep's best overall
+DECODE_BLOCK_N = 32  # with 2 programs per SM and 3 stages: a sweep's best overall (docs/machines.md)
 
 
 @triton.jit
