@@ -83,16 +83,15 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096  # prompt tokens a step without chunking, and for a prompt alone
     # A step's prompt tokens are cut further to what is expected to run in this many seconds (the
     # cost of a prompt token measured on recent steps), so a request arriving meanwhile waits about
-    # this long at most for the step in flight; 0: the token limits alone. On a GPU a step of the
-    # limits above takes less; on a 2-core CPU 4,096 prompt tokens took seconds. 0.25 rather than
-    # 0.1: there, beside a decode, a long prompt in pieces of ~60 tokens took up to 1.8x as long as
-    # in pieces of ~200, for about the same latency of a short request (docs/engine.md, "Scheduling").
+    # this long at most for the step in flight; 0: the token limits alone. It binds where prompts
+    # are slow (a CPU); smaller steps would cost long prompts more than they spare short requests
+    # (docs/engine.md, "Scheduling"; docs/machines.md).
     prefill_step_seconds: float = 0.25
     # While requests decode, pieces of prompts that take several steps make those decodes at most
     # this many times slower on average (measured): after a step slowed by a piece, steps of the
     # decodes (and of prompts that fit one step) run alone until the slowdown is paid back. 0: no
-    # limit. 2 rather than 3: at 3 a short request behind a long prompt took 4-5x its time alone on
-    # a 2-core CPU, at 2 about 2.5-3x.
+    # limit. The default keeps a short request behind a long prompt within about 3x its time
+    # alone where prompts are slow (docs/machines.md).
     decode_slowdown: float = 2.0
     lpm_max_queue: int = 128  # past this many waiting requests, lpm falls back to fcfs
     # Admission reserves ratio * (remaining max_new_tokens) for each running request. Most

@@ -159,10 +159,9 @@ class EngineCore:
 
     def _jump_cap(self) -> int | None:
         """--jump-forward-max-running, or its default: on CUDA with the overlap schedule, jumps
-        only while one request runs. A jump's extend step runs with the batch's next
-        decodes, but at bs16 and bs64 on an H100 the host, not the GPU, sets the pace of a
-        constrained step there, and planning jumps (the forced text after every token) costs more
-        host time than the passes they spare (docs/structured-output.md)."""
+        only while one request runs: with batches the host, not the GPU, sets the pace of a
+        constrained step, and planning jumps costs more host time than the passes they spare
+        (docs/structured-output.md, docs/machines.md)."""
         cap = self.config.constraint.jump_forward_max_running
         return 1 if cap is None and self.device.type == "cuda" and self.overlap else cap
 

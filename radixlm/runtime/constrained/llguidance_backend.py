@@ -63,10 +63,8 @@ log = logging.getLogger(__name__)
 # which xgrammar would only take longer and more memory over.
 _UNSUPPORTED = re.compile(r"Unimplemented keys|not supported|[Uu]nsatisfiable|not disjoint|circular references|"
                           r"Unable to determine|intersection stack")
-# The largest xgrammar grammar (expressions) a fallback compiles. Measured on a shared 2-core EPYC
-# (strict, compact, SmolLM2's vocabulary): 614 expressions 0.4 s, +9 MiB (MCP ReadResourceResult);
-# 1,626 1.8 s, +202 MiB (MCP CallToolResult); 2,919 1.8 s, +219 MiB (200 optional properties);
-# 5,437 14 s, +2.4 GiB (MCP ServerRequest); 14,119 29 s, +6.2 GiB (1,000 optional properties).
+# The largest xgrammar grammar (expressions) a fallback compiles: its compile time and memory grow
+# steeply past a few thousand (docs/machines.md); the MCP schemas a fallback serves are below.
 FALLBACK_MAX_EXPRESSIONS = 2048
 
 _REGEX_META = set("\\.+*?()|[]{}^$")

@@ -41,9 +41,8 @@ CHUNK = 64  # weights per chunk (two blocks of 32)
 MAX_ROWS = 4  # activation rows one call multiplies (each weight chunk read once for all)
 BUSY_ROWS = 32  # steps of up to this many rows on the kernels run as one busy stretch (native.busy)
 CHUNK_BYTES = {4: 40, 8: 72}
-# a chunk's loads prefetch the weights this many bytes (times the rows an iteration) ahead: on a
-# 2-core Ice Lake the default model's 121 products of a bs1 step took 12.0 instead of 16.5 ms
-# with 2048 (1024-8192 alike), the hardware prefetcher alone not keeping up with short rows
+# a chunk's loads prefetch the weights this many bytes (times the rows an iteration) ahead: the
+# hardware prefetcher alone does not keep up with short rows (docs/machines.md)
 PREFETCH = 2048
 DESC_FIELDS = abi.DESCRIPTOR.names  # a matrix's descriptor (int64s)
 

@@ -25,8 +25,7 @@ from radixlm.runtime.kernels.ir_pieces import (
     _splat_i32,
 )
 
-# the native prompt attention: on AVX2 (16 vector registers) it measured slower than torch's flash
-# kernel (1,000 queries: 23.7 against 15.1 ms, on an Ice Lake running the AVX2 code)
+# the instruction sets the native prompt attention is compiled for (docs/machines.md)
 PREFILL_ISAS = ("avx512", "avx2")
 PREFILL_ROWS = 8  # query rows (positions of one head) a native prompt-attention item takes
 # floats between the end of an item's score row and the next one's start: rows tpad floats apart
@@ -41,8 +40,8 @@ PREFILL_Q_SCRATCH = PREFILL_ROWS * 64 // 2
 # query rows whose scores one pass over a key block sums together (each row's sums for the
 # block's 16 keys stay in registers: with AVX-512 two chains a row of one 16-lane vector, with
 # AVX2's 16 registers two 8-lane vectors a row, four rows a pass), and the (rows, value vectors)
-# that one pass over the keys weights into their sums (AVX2: four rows by two vectors a pass, the
-# values read half as often, was 1-4% faster on a Zen 4 but slower on a Zen 5 over long prefixes).
+# that one pass over the keys weights into their sums (AVX2: the layout that measured best over
+# long prefixes; docs/machines.md).
 PREFILL_PLANS: dict[str, tuple[int, list[list[int]], list[tuple[list[int], list[int]]]]] = {
     "avx512": (16, [list(range(8))], [([0, 1, 2, 3], [0, 1, 2, 3]), ([4, 5, 6, 7], [0, 1, 2, 3])]),
     "avx2": (8, [[0, 1, 2, 3], [4, 5, 6, 7]],

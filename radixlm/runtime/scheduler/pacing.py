@@ -5,9 +5,8 @@ mostly reading the weights), plus a cost for each prompt token fed on top of it.
 median of the last few steps measured, so they follow the model, the device, the depth of the
 prompt in flight, the batch and the machine's load, and one step slowed from outside (another
 process on the cores) moves neither: no constant in here is a property of one device. On a GPU
-a prompt token costs a small fraction of a decode step; on a 2-core CPU, where a prompt is bound
-by arithmetic, a fifth to a third of one (SmolLM2-135M on a Zen 5: 0.6-1 ms a prompt token,
-~3 ms a step of one decode).
+a prompt token costs a small fraction of a decode step; on a CPU, where a prompt is bound by
+arithmetic, a sizable fraction of one (docs/machines.md).
 
 Two uses (config: ``prefill_step_seconds``, ``decode_slowdown``):
 - ``tokens_within(s)``: how many prompt tokens keep a step within ``s`` seconds.
@@ -23,9 +22,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-# The last few measurements of each kind are kept, and their median believed: on a loaded 2-core
-# VM one step of decodes alone took 1.7 s and the next ones 5-8 ms; a 73-token piece 4.1 s, its
-# neighbours 0.1-0.2 s (charged as measured, that one step held the pieces back for 4 s).
+# The last few measurements of each kind are kept, and their median believed: on a loaded machine
+# one step can take hundreds of times its neighbours' time, and charged as measured it would hold
+# the pieces back for seconds (docs/machines.md).
 WINDOW = 4
 # While decodes run beside pieces of a long prompt, a step of decodes alone is measured at least
 # this often (the pieces wait one step), so the fixed part follows the batch.

@@ -208,8 +208,9 @@ class Scheduler:
         other requests' tokens coming between the pieces of a long prompt; with none to serve they
         only cost the prompt speed (a long prompt runs faster in one step than in chunks:
         docs/machines.md; docs/benchmarks.md). Either is cut to what is expected to run in
-        ``prefill_step_seconds`` (not below MIN_TIMED_PIECE): on a 2-core CPU a step of 4,096
-        prompt tokens took seconds, and every request arriving meanwhile waited for it."""
+        ``prefill_step_seconds`` (not below MIN_TIMED_PIECE): where prompts are slow (a CPU) a step
+        of the token limits takes seconds, and every request arriving meanwhile waits for it
+        (docs/machines.md)."""
         alone = not decoding and len(prefilling) + len(self.waiting) == 1
         tokens = max(self.prefill_budget, self.config.max_prefill_tokens) if alone else self.prefill_budget
         seconds = self.config.prefill_step_seconds
