@@ -232,8 +232,7 @@ class EngineCore:
         """One step: schedule, forward, draw, process. With the overlap schedule the step before
         is processed while this one's forward runs on the device (first, when a request's next
         draw needs its newest token on the host), and this one next time (radixlm.runtime.step_run)."""
-        outputs = self._admit_compiled() if self.grammar.compiling else []
-        self.sessions.expire()
+        outputs = self._admit_compiled()
         before, self.in_flight = self.in_flight, None
         if before is not None and self.scheduler.needs_host():
             outputs, before = outputs + self._process(before), None
@@ -274,7 +273,11 @@ class EngineCore:
             self.scheduler.rewind(req, decision.length)
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Requests whose grammar is ready join the scheduler; a failed compile fails its request."""
+        """Requests whose grammar is ready join the scheduler; a failed compile fails its request.
+        Idle sessions expire first."""
+        self.sessions.expire()
+        if not self.grammar.compiling:
+            return []
         ready, failed = self.grammar.ready(idle=not self.scheduler.has_work)
         outputs = []
         for req in ready:
