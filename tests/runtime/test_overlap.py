@@ -214,3 +214,15 @@ def test_constrained_rows_join_the_overlap_schedule(engines, jump_forward, sampl
     assert alone == ref[:1]
     on.core.check_idle_integrity()
     off.core.check_idle_integrity()
+
+
+def test_steps_are_timed_under_the_overlap_schedule(engines):
+    """Each step is timed from when it was scheduled to when it was processed, also while the
+    step after it was scheduled in between: the prompt pacing learns what steps cost."""
+    on, _ = engines
+    costs = on.core.scheduler.costs
+    on.flush_cache()
+    on.generate(PROMPTS[6], {"temperature": 0, "max_new_tokens": 24})  # steps of decodes alone
+    assert costs.decode_s is not None
+    on.generate(PROMPTS[0] + " " + PROMPTS[5] * 20, {"temperature": 0, "max_new_tokens": 4})  # a prompt's step
+    assert costs.token_s is not None

@@ -104,7 +104,9 @@ class Scheduler:
         self.clock = clock
         self.costs = StepCosts(config.decode_slowdown)
         # the step in flight (its parts by id, and the parts), and when it was scheduled
-        self._timed: tuple[set[int], list[Scheduled], float] | None = None
+        # the steps scheduled and not yet ended (two while one is in flight, with the overlap
+        # schedule): their parts by id, the parts, and when each was scheduled
+        self._timed: list[tuple[set[int], list[Scheduled], float]] = []
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.free_rows = list(range(config.max_running_requests - 1, -1, -1))
@@ -241,7 +243,8 @@ class Scheduler:
         # KV held for later (fork prefixes, session pins) never starves live requests: reclaim it until work fits
         while not out and self.has_work and self._reclaim():
             out = self._schedule()
-        self._timed = ({id(s) for s in out}, out, start) if out else None
+        if out:
+            self._timed = [*self._timed[-1:], ({id(s) for s in out}, out, start)]
         return out
 
     def _reclaim(self) -> bool:
@@ -301,12 +304,14 @@ class Scheduler:
                 self.programs.hold_prefix(req)
             elif self.cache.shares_prefixes:  # the step's tokens, not a slot queued ahead since
                 self._cache_prefix(req, upto=s.seq.cached_len + len(s.seq.token_ids))
-        timed, self._timed = self._timed, None
-        # the step scheduled last (less any part that failed); a step queued ahead was not timed from its start
-        if timed is not None and step and all(id(s) in timed[0] for s in step):
-            parts = timed[1]
-            prompt = sum(len(s.seq.token_ids) for s in parts if s.prefill)
-            self.costs.observe(self.clock() - timed[2], prompt, sum(not s.prefill for s in parts))
+        # its time from when it was scheduled (less any part that failed; with the overlap schedule
+        # that spans the scheduling of the step after it, as the steps' pace does)
+        for i, (ids, parts, start) in enumerate(self._timed):
+            if step and all(id(s) in ids for s in step):
+                del self._timed[: i + 1]
+                prompt = sum(len(s.seq.token_ids) for s in parts if s.prefill)
+                self.costs.observe(self.clock() - start, prompt, sum(not s.prefill for s in parts))
+                break
 
     # -- programs ------------------------------------------------------------------------
     def end_program(self, program_id: str) -> None:
