@@ -11,7 +11,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from radixlm.runtime.config import COMPONENT_TYPES, DTYPES, JSON_WHITESPACE
+from radixlm.runtime.config import COMPONENT_TYPES, DTYPES, JSON_WHITESPACE, SPECULATIVE_ALGORITHMS
 
 if TYPE_CHECKING:
     from radixlm.router.config import RouterConfig
@@ -25,6 +25,9 @@ HELP = {
     "max_prefill_tokens": "prompt tokens per step without chunking, and for a prompt alone on the server",
     "tp_size": "tensor-parallel ranks, one process each (NCCL on CUDA, gloo on CPU); default: 1",
     "dist_timeout": "seconds a collective waits for a rank before the engine restarts; default: 120",
+    "speculative_algorithm": "guess a greedy request's next tokens and check them in one forward pass: ngram (its own "
+                             "prompt and output), radix (the radix cache first, then as ngram), none; default: none",
+    "speculative_num_draft_tokens": "the most guessed tokens a step checks for a request (1-16); default: 4",
     "dtype": "auto: bf16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else fp32",
     "quantization": "weight-only CPU quantization; auto: a GGUF's own 4-bit weights on a bf16 CPU, fp16 weights "
                     "(FBGEMM) in fp32 without native bf16, else none",
@@ -45,7 +48,7 @@ def _choices() -> dict[str, Sequence[str]]:
 
     return {"dtype": DTYPES, "quantization": ("auto", "none", *sorted(QUANT_METHODS)), "cache": sorted(CACHES), "policy": sorted(POLICIES),
             "attention_backend": sorted(ATTENTION_BACKENDS), "grammar_backend": sorted(GRAMMAR_BACKENDS),
-            "json_whitespace": JSON_WHITESPACE}
+            "json_whitespace": JSON_WHITESPACE, "speculative_algorithm": SPECULATIVE_ALGORITHMS}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -386,7 +389,7 @@ def build_route_parser(parser_class: type[argparse.ArgumentParser] = _OneLinePar
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radixlm", description="LM programs on a radix-tree KV cache runtime")
+    parser = _OneLineParser(prog="radixlm", description="LM programs on a radix-tree KV cache runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt with the engine and stream the text")
     gen.add_argument("prompt")

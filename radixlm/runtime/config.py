@@ -202,6 +202,30 @@ class ConstraintConfig:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
 
 
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "radix")
+MAX_DRAFT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/engine.md, "Speculative decoding"): a greedy request's next
+    tokens are guessed from what the runtime holds and checked in one forward pass. ``ngram``:
+    from the request's own prompt and output (prompt lookup); ``radix``: first from the radix
+    cache (what follows the request's tokens in other requests, earlier turns, fork siblings),
+    else as ``ngram``."""
+
+    speculative_algorithm: str = "none"
+    speculative_num_draft_tokens: int = 4  # the most draft tokens a step checks for a request
+
+    def __post_init__(self) -> None:
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
+                             f"got {self.speculative_algorithm!r}")
+        if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], "
+                             f"got {self.speculative_num_draft_tokens}")
+
+
 @dataclass(frozen=True)
 class CudaGraphConfig:
     """Decode steps replayed as CUDA graphs (CUDA with the triton attention backend only)."""
@@ -238,6 +262,7 @@ class EngineConfig:
     constraint: ConstraintConfig = field(default_factory=ConstraintConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
 
     @property
@@ -271,5 +296,6 @@ class EngineConfig:
 
 
 _COMPONENTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-               "constraint": ConstraintConfig, "cuda_graph": CudaGraphConfig, "parallel": ParallelConfig}
+               "constraint": ConstraintConfig, "cuda_graph": CudaGraphConfig, "parallel": ParallelConfig,
+               "speculative": SpeculativeConfig}
 COMPONENT_TYPES = tuple(_COMPONENTS.values())

@@ -25,7 +25,6 @@ from radixlm.runtime.constrained.registry import check_grammar_backend
 from radixlm.runtime.constrained.service import GrammarService
 from radixlm.runtime.constrained.stage import GrammarStage
 from radixlm.runtime.cuda_graph import GRAPH_EXTEND_TOKENS
-from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.distributed import init_tp_group, tp_device, worker
 from radixlm.runtime.distributed.launch import Leader, WorkerSet, cpu_threads
 from radixlm.runtime.distributed.step import StepChannel
@@ -35,24 +34,19 @@ from radixlm.runtime.faults import FaultBoundary
 from radixlm.runtime.intake import Submission, check_token_ids
 from radixlm.runtime.model.source import ModelSource
 from radixlm.runtime.output_processor import Decision, Finish, OutputProcessor, RequestOutput, Rewind
-from radixlm.runtime.phase_clock import PhaseClock
+from radixlm.runtime.phase_clock import STEP_PHASES, PhaseClock
 from radixlm.runtime.radix_cache import CACHES, IntegrityError, SlotAllocator
 from radixlm.runtime.request import EngineRequest
 from radixlm.runtime.sampling.stage import SamplingStage, add_input_logprobs, request_generator
 from radixlm.runtime.scheduler import GraphRoom, Scheduled, Scheduler, Status
 from radixlm.runtime.sessions import SessionManager, prepended_bos
+from radixlm.runtime.speculation.drafts import DraftProposer
+from radixlm.runtime.speculation.verify import accept_drafts, propose_drafts
 from radixlm.runtime.step_run import StepRun
-from radixlm.runtime.stop import StopMatcher
 from radixlm.runtime.tokenizer_loader import load_tokenizer
 from radixlm.runtime.warm_up import measure_jump_cost, run_warm_up
 
 __all__ = ["EngineCore", "RequestOutput"]
-
-# Where the step loop's time goes (EngineCore.step_seconds, /get_server_info): picking the work,
-# the forward pass (its launch on CUDA), masks and sampling, waiting for the tokens on the host,
-# making outputs; and, in the engine
-# process, taking in messages and sending outputs.
-STEP_PHASES = ("schedule", "forward", "sample", "wait", "process", "intake", "send")
 
 
 class EngineCore:
@@ -109,6 +103,7 @@ class EngineCore:
         self.sampling = SamplingStage(self.grammar, self.faults, arch.vocab_size, self.device, self._fail,
                                       self.output.fail)
         self.requests: dict[str, EngineRequest] = {}
+        self.drafts = DraftProposer.build(config.speculative, self.cache, self.context_length)
         self.in_flight: StepRun | None = None  # the step whose tokens the host reads next (overlap schedule)
         self.ahead_steps = 0  # steps run while the one before was in flight (overlap schedule)
         self.ahead_extends = 0  # their jump-forward extends (and resumed contexts)
@@ -179,18 +174,8 @@ class EngineCore:
         check_token_ids(rid, prompt_ids, params, self.source.arch.vocab_size)
         if sub.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {sub.top_logprobs_num}")
-        req = EngineRequest(
-            rid=rid, prompt_ids=prompt_ids, params=params,
-            logprob_start_len=sub.logprob_start_len if sub.return_logprob else -1,
-            detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
-                                         params.spaces_between_special_tokens, prompt_ids[-4:]),
-            stop=StopMatcher(params.stop, keep_stop=params.no_stop_trim, regexes=params.stop_regex),
-            eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
-            generator=request_generator(params),
-            return_logprob=sub.return_logprob, top_logprobs_num=sub.top_logprobs_num,
-            jump_forward=params.jump_forward and self.config.constraint.jump_forward,
-            program=sub.program,
-        )
+        req = EngineRequest.start(sub, prompt_ids, params, self.tokenizer, self.eos_ids, request_generator(params),
+                                  params.jump_forward and self.config.constraint.jump_forward)
         try:
             self.faults.check("admit", [rid])
             self.scheduler.arrive(req)  # its place in line, kept while its grammar compiles
@@ -256,9 +241,7 @@ class EngineCore:
         outputs += [self._end(self.output.finish(r)) for r in done]
         if self.faults.unchecked:
             self.faults.unchecked = False
-            report = self.integrity_report()
-            if not report["ok"]:
-                raise IntegrityError("after a request's fault: " + "; ".join(report["errors"]))
+            self._check_integrity("after a request's fault: ")
         return outputs
 
     def _fail(self, req: EngineRequest, phase: str, e: BaseException) -> RequestOutput:
@@ -301,6 +284,8 @@ class EngineCore:
         that sample, unless a constrained row's mask waits for the host to read the token before
         it. ``overlapped``: the step before is still in flight."""
         with self.clock("schedule"):
+            if self.drafts is not None and not self.overlap:  # (drafts need the newest tokens on the host)
+                propose_drafts(self.scheduler.running, self.drafts)  # type: ignore[arg-type]
             scheduled = self.scheduler.schedule()  # unpins sessions, oldest first, when work would not fit
         if not scheduled:
             return None
@@ -313,21 +298,30 @@ class EngineCore:
             return run
         with self.clock("sample"):
             rows: list[int] = []
+            checks: list[int] = []
             off = 0
             for s in scheduled:
                 req = self.requests[s.req.rid]
-                req.forward_passes += 1
                 k = s.seq.num_logits
+                if not s.samples and not s.prefill:  # a draft's later row (its first holds them all)
+                    off += k
+                    continue
+                req.forward_passes += 1
                 if req.return_logprob and req.wants_input_logprobs:
                     try:
                         self.faults.check("logprobs", [req.rid])
                         add_input_logprobs(req, s, logits[off : off + k - (1 if s.samples else 0)])
                     except Exception as e:  # noqa: BLE001 - ends this request only
                         run.ended.append(self._fail(req, "logprobs", e))
-                if s.samples and req.status is Status.RUNNING:
+                if s.draft and req.status is Status.RUNNING:
+                    checks.extend(range(off, off + 1 + len(s.draft)))
+                    run.checks.append((req, s.draft))
+                elif s.samples and req.status is Status.RUNNING:
                     rows.append(off + k - 1)
                     run.samplers.append(req)
                 off += k
+            if checks:  # a draft is checked greedily: the model's own token at each of its rows
+                run.check_fetch = self.runner.fetch_ids(logits[self.runner.to_device(checks)].argmax(-1))
             if run.samplers and (len(rows) < logits.shape[0] or logits.device.type != "cpu"):
                 # a non-blocking index: masks fill while the forward runs (on CUDA a copy also when
                 # every row samples: the logits may live in a CUDA graph's output, which the next step overwrites)
@@ -411,6 +405,8 @@ class EngineCore:
         outputs = ended + self.output.append(
             [reqs[j] for j in keep], [tokens[j] for j in keep],
             None if lps is None else [lps[j] for j in keep], None if tops is None else [tops[j] for j in keep])
+        if run.checks:
+            outputs += accept_drafts(run.checks, run.check_fetch(), self.scheduler, self.output)
         self.scheduler.end_step(run.step)
         return outputs
 
@@ -422,15 +418,6 @@ class EngineCore:
         return self.sessions.finish_turn(req.rid, req.output_ids, req.finish_reason != "abort", req.cached_tokens)
 
     # -- introspection -------------------------------------------------------------------
-    @property
-    def prompt_tokens_total(self) -> int:
-        """Prompt tokens of finished requests (for the cache hit rate)."""
-        return self.output.totals.prompt_tokens
-
-    @property
-    def cached_tokens_total(self) -> int:
-        return self.output.totals.cached_tokens
-
     def integrity_report(self) -> dict[str, Any]:
         """The KV bookkeeping checked at any moment (radixlm.runtime.engine_report): the figures
         and every broken invariant. O(cached tokens): for tests and soak runs, not per step."""
@@ -440,9 +427,12 @@ class EngineCore:
         """With no request in flight: nothing locked, every slot free or held by the cache."""
         if self.has_work or self.requests:
             raise IntegrityError(f"not idle: {len(self.requests)} requests in flight")
+        self._check_integrity("")
+
+    def _check_integrity(self, context: str) -> None:
         report = self.integrity_report()
         if not report["ok"]:
-            raise IntegrityError("; ".join(report["errors"]))
+            raise IntegrityError(context + "; ".join(report["errors"]))
 
     def flush_cache(self) -> None:
         """Drop every cached prefix; sessions stay open, unpinned (their next turns recompute)."""

@@ -288,6 +288,9 @@ class OutputProcessor:
         }
         if req.matcher is not None:
             meta["forced_tokens"] = req.forced_tokens
+        if req.spec is not None:  # speculative decoding: drafts checked, and the tokens accepted of each
+            meta["spec_verify_ct"] = req.spec.verified
+            meta["spec_accept_lengths"] = list(req.spec.history)
         if req.return_logprob:
             meta["input_token_logprobs"] = req.input_logprobs
             meta["output_token_logprobs"] = req.output_logprobs

@@ -6,6 +6,11 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+# Where the step loop's time goes (EngineCore.step_seconds, /get_server_info): picking the work,
+# the forward pass (its launch on CUDA), masks and sampling, waiting for the tokens on the host,
+# making outputs; and, in the engine process, taking in messages and sending outputs.
+STEP_PHASES = ("schedule", "forward", "sample", "wait", "process", "intake", "send")
+
 
 class PhaseClock:
     """Seconds by phase (`seconds`, read by /get_server_info); `with clock("forward"): ...`

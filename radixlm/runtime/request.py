@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.scheduler import Request
+from radixlm.runtime.speculation.drafts import DraftLength, PromptLookup
 from radixlm.runtime.stop import StopMatcher
 
 if TYPE_CHECKING:
     from radixlm.runtime.constrained.grammar import GrammarMatcher
+    from radixlm.runtime.intake import Submission
     from radixlm.runtime.sampling.sampler import RowGenerator
+    from radixlm.runtime.sampling_params import SamplingParams
 
 
 @dataclass(eq=False, kw_only=True)
@@ -39,6 +42,9 @@ class EngineRequest(Request):
     matcher: GrammarMatcher | None = None
     jump_forward: bool = False
     forced_tokens: int = 0  # output tokens that jump-forward appended
+    # speculative decoding: its own tokens indexed for drafts, and how long its drafts may be
+    lookup: PromptLookup = field(default_factory=PromptLookup)
+    spec: DraftLength | None = None
     # timing
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -47,3 +53,19 @@ class EngineRequest(Request):
     @property
     def constrained(self) -> bool:
         return self.matcher is not None
+
+    @classmethod
+    def start(cls, sub: Submission, prompt_ids: list[int], params: SamplingParams, tokenizer: Any,
+              eos_ids: frozenset[int], generator: RowGenerator | None, jump_forward: bool) -> EngineRequest:
+        """The request a submission starts (``prompt_ids`` and ``params``: a session turn's, with
+        its history), its text and stops empty, its draws from ``generator``."""
+        return cls(
+            rid=sub.rid, prompt_ids=prompt_ids, params=params,
+            logprob_start_len=sub.logprob_start_len if sub.return_logprob else -1,
+            detok=IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens,
+                                         prompt_ids[-4:]),
+            stop=StopMatcher(params.stop, keep_stop=params.no_stop_trim, regexes=params.stop_regex),
+            eos_ids=frozenset() if params.ignore_eos else eos_ids, generator=generator,
+            return_logprob=sub.return_logprob, top_logprobs_num=sub.top_logprobs_num,
+            jump_forward=jump_forward, program=sub.program,
+        )

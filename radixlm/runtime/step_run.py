@@ -29,7 +29,9 @@ class StepRun:
     ``logits`` their rows (masked once drawn; kept after the draw only when a request wants
     logprobs), ``marks`` each one's forced-token count when the step was built (a jump since
     drops its row); once drawn, ``tokens`` on the device and ``fetch``, which waits for their
-    copy on the host; ``ended``: the outputs of the requests it ended (faults), until taken."""
+    copy on the host; ``ended``: the outputs of the requests it ended (faults), until taken;
+    ``checks``: the requests whose draft it checks, with the draft, and ``check_fetch``, which
+    waits for the model's greedy token at each of their rows (speculative decoding)."""
 
     step: list[Scheduled]
     samplers: list[EngineRequest] = field(default_factory=list)
@@ -38,6 +40,8 @@ class StepRun:
     tokens: torch.Tensor | None = None
     fetch: Callable[[], list[int]] = _no_tokens
     ended: list[RequestOutput] = field(default_factory=list)
+    checks: list[tuple[EngineRequest, tuple[int, ...]]] = field(default_factory=list)
+    check_fetch: Callable[[], list[int]] = _no_tokens
 
     def drawn(self, samplers: list[EngineRequest], tokens: torch.Tensor, fetch: Callable[[], list[int]],
               logits: torch.Tensor | None) -> None:
@@ -52,4 +56,4 @@ class StepRun:
     @property
     def live(self) -> bool:
         """Whether processing it still tells a request something: one drew and has not finished since."""
-        return any(r.status is not Status.FINISHED for r in self.samplers)
+        return any(r.status is not Status.FINISHED for r in [*self.samplers, *(r for r, _ in self.checks)])

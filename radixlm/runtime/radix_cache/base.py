@@ -41,6 +41,12 @@ class PrefixCache(ABC):
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         """Longest cached, page-aligned prefix of ``tokens``."""
 
+    def continuation(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` cached tokens that follow ``tokens`` (the most recently used branch
+        at each fork), or none when ``tokens`` is not cached whole: a draft for speculative
+        decoding. Reads only. A cache that shares nothing has none."""
+        return []
+
     @abstractmethod
     def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
         """Cache ``tokens`` -> ``slots``; return how many leading tokens were already cached.

@@ -140,6 +140,32 @@ class RadixCache(PrefixCache):
         node, _ = self._descend(tokens, n, self._tick(), out)
         return MatchResult(out, node)
 
+    def continuation(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` cached tokens that follow ``tokens``, down the most recently used
+        child at each fork; none unless all of ``tokens`` is cached. Nothing is split, locked or
+        marked used (a draft is only a proposal)."""
+        tokens = self._as_list(tokens)
+        node, at, i, n = self._root, 0, 0, len(tokens)
+        while i < n:
+            if at == len(node.key):
+                if n - i < self._page:  # part of a page: the newest child that starts with it
+                    kids = [c for c in node.children.values() if c.key[: n - i] == tokens[i:]]
+                    child = max(kids, key=lambda c: c.last_access) if kids else None
+                else:
+                    child = node.children.get(self._child_key(tokens, i))
+                if child is None:
+                    return []
+                node, at = child, 0
+            m = min(len(node.key) - at, n - i)
+            if node.key[at : at + m] != tokens[i : i + m]:
+                return []
+            i, at = i + m, at + m
+        out = node.key[at : at + limit]
+        while len(out) < limit and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            out += node.key[: limit - len(out)]
+        return out
+
     def _descend(self, tokens: list[int], n: int, now: int, slots_out: list[int] | None) -> tuple[_Node, int]:
         """Walk down the longest cached prefix of tokens[:n], splitting the last node so it
         ends exactly there and marking the path used; return that node and the prefix length

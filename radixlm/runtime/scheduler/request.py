@@ -79,6 +79,8 @@ class Request:
     # step order; with the overlap schedule 1 while a step's tokens are in flight, and 2 for a
     # moment, while the next step is drawn before the host reads the one before)
     unseen: int = 0
+    # tokens guessed to follow the newest (speculative decoding): its next decode checks them too
+    draft: list[int] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -74,6 +74,7 @@ class Scheduled:
     first_logit_pos: int  # absolute position of the first logit row returned
     samples: bool  # the last logit row picks the next output token
     prefill: bool  # prompt tokens (a chunk, or a resumed request's context), not one decode token
+    draft: tuple[int, ...] = ()  # a decode that also checks these guessed tokens (a logit row each)
 
 
 class Scheduler:
@@ -257,7 +258,9 @@ class Scheduler:
         self.new_token_ratio = max(self.new_token_ratio - c.new_token_ratio_decay, c.min_new_token_ratio)
         decoding = [r for r in self.running if r.is_decoding and self._may_step(r)]
         prefilling = [r for r in self.running if not r.is_decoding]
-        out = [self._step(r, 1, prefill=False) for r in self._make_room_for_decode(decoding)]
+        out: list[Scheduled] = []
+        for r in self._make_room_for_decode(decoding):
+            out += self._draft_steps(r) if self._draft_slots(r) else [self._step(r, 1, prefill=False)]
         budget = self._step_budget(decoding, prefilling)
         generating = bool(out) or any(r.output_ids for r in prefilling)  # (a jump's extend is generating too)
         pieces = not generating or self.costs.pieces_may_run
@@ -343,6 +346,32 @@ class Scheduler:
         req.rewrite_row = False
         return Scheduled(req, seq, start + logit_start, samples, prefill)
 
+    def _draft_slots(self, req: Request) -> bool:
+        """Give a decoding request with a draft one slot per draft token (none and no draft when
+        the pool is short: a guess never evicts a running request)."""
+        if not req.draft:
+            return False
+        slots = self._alloc(len(req.draft))
+        if slots is None:
+            req.draft = []
+            return False
+        req.slots.extend(slots)
+        return True
+
+    def _draft_steps(self, req: Request) -> list[Scheduled]:
+        """Feed req's newest token and its draft (their slots taken) as decode rows of req's row,
+        one a token, each attending up to itself: the model computes each exactly as the decode
+        of that token would. The first carries the draft; its logits and the others' follow."""
+        draft, req.draft = tuple(req.draft), []
+        start = len(req.slots) - 1 - len(draft)
+        prefix = req.slots[:start] if req.rewrite_row else None
+        req.rewrite_row = False
+        tokens = req.fill_ids[start : start + 1] + list(draft)
+        return [Scheduled(req, SeqStep(row=req.row, cached_len=start + i, token_ids=[t], slots=[req.slots[start + i]],
+                                       logit_start=0, prefix_slots=prefix if i == 0 else None),
+                          start + i, i == 0, False, draft if i == 0 else ())
+                for i, t in enumerate(tokens)]
+
     def _alloc(self, n: int) -> list[int] | None:
         if self.allocator.num_free < n:
             self.cache.evict(n - self.allocator.num_free)
@@ -371,6 +400,7 @@ class Scheduler:
         return []
 
     def _retract(self, req: Request) -> None:
+        req.draft = []
         self._release(req, keep_in_cache=True)
         self.running.remove(req)
         req.status = Status.WAITING
@@ -395,7 +425,10 @@ class Scheduler:
     def _cache_prefix(self, req: Request, relock: bool = True, upto: int | None = None) -> None:
         """Insert req's computed tokens (the first ``upto``; default all with slots) into the
         cache; keep using the cache's slots."""
-        computed = len(req.slots) if upto is None else upto
+        # (slots past the tokens the host has, a checked draft's rejected guesses or a token still
+        # on the device, are freed below)
+        known = len(req.prompt_ids) + len(req.output_ids)
+        computed = min(len(req.slots), known) if upto is None else upto
         tokens = req.fill_ids[:computed]
         already = self.cache.insert(tokens, req.slots[:computed])
         inserted = computed // self.cache.page_size * self.cache.page_size

@@ -65,8 +65,8 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "tokens_fed": core.tokens_fed,
         "graph_steps": core.runner.graph_steps,
         "step_phase_seconds": dict(core.step_seconds),
-        "prompt_tokens_total": core.prompt_tokens_total,
-        "cached_tokens_total": core.cached_tokens_total,
+        "prompt_tokens_total": core.output.totals.prompt_tokens,  # (finished requests': the cache hit rate)
+        "cached_tokens_total": core.output.totals.cached_tokens,
         **core.sessions.stats_dict(),
     }
 
