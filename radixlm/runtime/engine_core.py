@@ -216,10 +216,10 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One step: schedule, forward, draw, process. With the overlap schedule the step before
         is processed while this one's forward runs on the device (first, when a request's next
-        draw needs its newest token on the host), and this one next time (radixlm.runtime.step_run)."""
+        draw or draft needs its newest token on the host), and this one next time (radixlm.runtime.step_run)."""
         outputs = self._admit_compiled()
         before, self.in_flight = self.in_flight, None
-        if before is not None and self.scheduler.needs_host():
+        if before is not None and (self.drafts is not None or self.scheduler.needs_host()):
             outputs, before = outputs + self._process(before), None
         run = self._run(overlapped=before is not None)
         if before is not None:
@@ -284,7 +284,7 @@ class EngineCore:
         that sample, unless a constrained row's mask waits for the host to read the token before
         it. ``overlapped``: the step before is still in flight."""
         with self.clock("schedule"):
-            if self.drafts is not None and not self.overlap:  # (drafts need the newest tokens on the host)
+            if self.drafts is not None:  # (drafts need the newest tokens on the host: processed first above)
                 propose_drafts(self.scheduler.running, self.drafts)  # type: ignore[arg-type]
             scheduled = self.scheduler.schedule()  # unpins sessions, oldest first, when work would not fit
         if not scheduled:

@@ -225,3 +225,21 @@ def test_radix_drafts_from_the_cached_answer(engines):
     assert m["forward_passes"] < m["completion_tokens"] / 2, m
     ngram = second["ngram"]["meta_info"]
     assert sum(ngram["spec_accept_lengths"]) < sum(accepts), ngram
+
+
+def test_drafts_under_the_overlap_schedule(engines):
+    """With the overlap schedule forced on, each step is processed before the next is scheduled
+    (a draft needs the newest tokens on the host): the answers are plain greedy decoding's and the
+    drafts are checked."""
+    spec = Engine(dtype="float32", quantization="none", max_total_tokens=8192, speculative_algorithm="ngram",
+                  overlap_schedule=True)
+    try:
+        assert spec.core.overlap
+        params = {"temperature": 0, "max_new_tokens": 48}
+        got = spec.generate([COPY, FREE], params)
+        ref = engines["none"].generate([COPY, FREE], params)
+        assert [_strip(o) for o in got] == [_strip(o) for o in ref]
+        assert got[0]["meta_info"]["spec_verify_ct"] > 0 and sum(got[0]["meta_info"]["spec_accept_lengths"]) > 0
+        spec.core.check_idle_integrity()
+    finally:
+        spec.shutdown()
