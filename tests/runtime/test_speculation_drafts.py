@@ -213,3 +213,18 @@ def test_cli_rejects_a_draft_length_out_of_bounds_in_one_line(n, capsys):
     assert code == 2, err
     assert f"speculative_num_draft_tokens must be in [1, 16], got {n}" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_metrics_count_each_checked_draft_by_its_accepted_tokens():
+    """/metrics' acceptance histogram: one observation per checked draft of a finished request."""
+    from radixlm.runtime.server.metrics import Metrics
+
+    m = Metrics()
+    m.observe_finished({"prompt_tokens": 4, "completion_tokens": 9, "finish_reason": {"type": "length"},
+                        "spec_verify_ct": 3, "spec_accept_lengths": [0, 2, 4]}, 0.5)
+    m.observe_finished({"prompt_tokens": 4, "completion_tokens": 3, "finish_reason": {"type": "length"}}, 0.5)
+    text = m.render().decode()
+    assert "radixlm_spec_accepted_tokens_count 3.0" in text
+    assert "radixlm_spec_accepted_tokens_sum 6.0" in text
+    assert 'radixlm_spec_accepted_tokens_bucket{le="1.0"} 1.0' in text
+    assert 'radixlm_spec_accepted_tokens_bucket{le="2.0"} 2.0' in text

@@ -12,6 +12,7 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 _HIT_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 _PROGRAM_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
+_ACCEPT_BUCKETS = tuple(float(n) for n in range(17))  # guessed tokens accepted per checked draft (at most 16)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -30,6 +31,9 @@ class Metrics:
                              registry=r)
         self.e2e = Histogram("radixlm_e2e_request_latency_seconds",
                              "Time from request arrival to its last output.", buckets=_E2E_BUCKETS, registry=r)
+        self.spec_accepted = Histogram("radixlm_spec_accepted_tokens",
+                                       "Per draft checked (speculative decoding): the guessed tokens accepted.",
+                                       buckets=_ACCEPT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("radixlm_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("radixlm_generation_tokens", "Generated tokens.", registry=r)
         self.cached_tokens = Counter("radixlm_cached_prompt_tokens",
@@ -86,6 +90,8 @@ class Metrics:
         self.cached_tokens.inc(int(meta.get("cached_tokens", 0)))
         reason = (meta.get("finish_reason") or {}).get("type") or "unknown"
         self.requests.labels(reason).inc()
+        for accepted in meta.get("spec_accept_lengths") or ():
+            self.spec_accepted.observe(accepted)
         if meta.get("session_id") is not None and reason != "abort":
             history, cached = int(meta.get("session_history_tokens", 0)), int(meta.get("cached_tokens", 0))
             self.session_turns.inc()
