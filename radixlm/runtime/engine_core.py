@@ -321,7 +321,9 @@ class EngineCore:
                     run.samplers.append(req)
                 off += k
             if checks:  # a draft is checked greedily: the model's own token at each of its rows
-                run.check_fetch = self.runner.fetch_ids(logits[self.runner.to_device(checks)].argmax(-1))
+                rows_of_checks = logits[self.runner.to_device(checks)]
+                run.check_fetch = self.runner.fetch_ids(rows_of_checks.argmax(-1))
+                run.check_logits = rows_of_checks if any(r.return_logprob for r, _ in run.checks) else None
             if run.samplers and (len(rows) < logits.shape[0] or logits.device.type != "cpu"):
                 # a non-blocking index: masks fill while the forward runs (on CUDA a copy also when
                 # every row samples: the logits may live in a CUDA graph's output, which the next step overwrites)
@@ -406,7 +408,7 @@ class EngineCore:
             [reqs[j] for j in keep], [tokens[j] for j in keep],
             None if lps is None else [lps[j] for j in keep], None if tops is None else [tops[j] for j in keep])
         if run.checks:
-            outputs += accept_drafts(run.checks, run.check_fetch(), self.scheduler, self.output)
+            outputs += accept_drafts(run.checks, run.check_fetch(), self.scheduler, self.output, run.check_logits)
         self.scheduler.end_step(run.step)
         return outputs
 

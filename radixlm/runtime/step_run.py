@@ -42,6 +42,7 @@ class StepRun:
     ended: list[RequestOutput] = field(default_factory=list)
     checks: list[tuple[EngineRequest, tuple[int, ...]]] = field(default_factory=list)
     check_fetch: Callable[[], list[int]] = _no_tokens
+    check_logits: torch.Tensor | None = None  # their rows, when one wants logprobs
 
     def drawn(self, samplers: list[EngineRequest], tokens: torch.Tensor, fetch: Callable[[], list[int]],
               logits: torch.Tensor | None) -> None:

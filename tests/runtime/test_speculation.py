@@ -243,3 +243,20 @@ def test_drafts_under_the_overlap_schedule(engines):
         spec.core.check_idle_integrity()
     finally:
         spec.shutdown()
+
+
+def test_logprobs_of_accepted_tokens(engines):
+    """A request with logprobs drafts too: each accepted token's logprob and top logprobs come from
+    its own row of the check, as plain decoding gives them."""
+    params = {"temperature": 0, "max_new_tokens": 40}
+    outs = {a: e.generate(COPY, params, return_logprob=True, top_logprobs_num=2) for a, e in engines.items()}
+    _assert_equal(outs)
+    ref = outs["none"]["meta_info"]
+    for a in ("ngram", "radix"):
+        m = outs[a]["meta_info"]
+        assert m["spec_verify_ct"] > 0 and sum(m["spec_accept_lengths"]) > 0, m
+        assert [t for _, t in m["output_token_logprobs"]] == outs[a]["output_ids"]
+        for (lp, tok), (ref_lp, ref_tok) in zip(m["output_token_logprobs"], ref["output_token_logprobs"], strict=True):
+            assert tok == ref_tok and abs(lp - ref_lp) < 1e-3, (a, tok, lp, ref_lp)
+        for (lp, tok), top in zip(m["output_token_logprobs"], m["output_top_logprobs"], strict=True):
+            assert len(top) == 2 and top[0][1] == tok and abs(top[0][0] - lp) < 1e-5  # greedy = top-1

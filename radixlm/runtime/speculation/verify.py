@@ -13,19 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from radixlm.runtime.output_processor import OutputProcessor, RequestOutput
 from radixlm.runtime.request import EngineRequest
+from radixlm.runtime.sampling.sampler import with_logprobs
 from radixlm.runtime.scheduler import Scheduler, Status
 from radixlm.runtime.speculation.drafts import DraftLength, DraftProposer
 
 
 def may_draft(req: EngineRequest) -> bool:
     """Whether a request's next tokens may come from a checked draft: greedy, and its next token
-    depends only on the model's argmax (no grammar, penalty, bias or min_new_tokens block) and
-    needs no logprobs."""
+    depends only on the model's argmax (no grammar, penalty, bias or min_new_tokens block)."""
     p = req.params
-    return (req.matcher is None and not req.return_logprob and p.is_greedy and not p.penalizes_output
-            and not p.logit_bias and req.generated >= p.min_new_tokens)
+    return (req.matcher is None and p.is_greedy and not p.penalizes_output and not p.logit_bias
+            and req.generated >= p.min_new_tokens)
 
 
 def propose_drafts(running: Sequence[EngineRequest], proposer: DraftProposer) -> None:
@@ -49,22 +51,31 @@ def accepted_length(draft: Sequence[int], greedy: Sequence[int]) -> int:
 
 
 def accept_drafts(checks: list[tuple[EngineRequest, tuple[int, ...]]], greedy: list[int], scheduler: Scheduler,
-                  output: OutputProcessor) -> list[RequestOutput]:
+                  output: OutputProcessor, logits: torch.Tensor | None = None) -> list[RequestOutput]:
     """Each checked request's new tokens (``greedy``: the model's token at each row of the checks,
-    in order), one output each; stops and finishing as for tokens drawn one at a time."""
+    in order), one output each; stops and finishing as for tokens drawn one at a time. ``logits``:
+    the checks' rows, when a request wants logprobs (each accepted token's, from its own row)."""
     outputs: list[RequestOutput] = []
     at = 0
     for req, draft in checks:
-        mine, at = greedy[at : at + len(draft) + 1], at + len(draft) + 1
+        mine, start, at = greedy[at : at + len(draft) + 1], at, at + len(draft) + 1
         if req.status is not Status.RUNNING:  # (ended meanwhile: an abort, a fault)
             continue
         n = accepted_length(draft, mine)
         assert req.spec is not None
         req.spec.record(len(draft), n)
         scheduler.rewind(req, req.fill_len + n)  # KV of the newest token and the accepted guesses stays
+        tokens = mine[: n + 1]  # (the accepted guesses are the model's own tokens there)
+        lps: list[float] | None = None
+        tops: list[list[tuple[int, float]]] | None = None
+        if req.return_logprob and logits is not None:
+            got = with_logprobs(logits[start : start + n + 1], tokens, torch.tensor(tokens, device=logits.device),
+                                req.top_logprobs_num, True)
+            lps, tops = got.logprobs, got.top_logprobs
         out: RequestOutput | None = None
-        for tok in [*draft[:n], mine[n]]:
-            [step] = output.append([req], [tok])
+        for i, tok in enumerate(tokens):
+            [step] = output.append([req], [tok], None if lps is None else [lps[i]],
+                                   None if tops is None else [tops[i]])
             out = step if out is None else _merged(out, step)
             if out.finished:
                 break
