@@ -285,7 +285,7 @@ class EngineCore:
         it. ``overlapped``: the step before is still in flight."""
         with self.clock("schedule"):
             if self.drafts is not None:  # (drafts need the newest tokens on the host: processed first above)
-                propose_drafts(self.scheduler.running, self.drafts)  # type: ignore[arg-type]
+                propose_drafts([self.requests[r.rid] for r in self.scheduler.running], self.drafts)
             scheduled = self.scheduler.schedule()  # unpins sessions, oldest first, when work would not fit
         if not scheduled:
             return None
