@@ -87,8 +87,13 @@ class Request:
         return self.prompt_ids + self.output_ids + [UNSEEN] * self.unseen
 
     @property
+    def known_len(self) -> int:
+        """Tokens the host has: the prompt and the output read so far (``fill_len`` less the unseen)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def fill_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) + self.unseen
+        return self.known_len + self.unseen
 
     @property
     def generated(self) -> int:

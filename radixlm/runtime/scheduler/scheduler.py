@@ -104,7 +104,6 @@ class Scheduler:
         self.graph_room = graph_room
         self.clock = clock
         self.costs = StepCosts(config.decode_slowdown)
-        # the step in flight (its parts by id, and the parts), and when it was scheduled
         # the steps scheduled and not yet ended (two while one is in flight, with the overlap
         # schedule): their parts by id, the parts, and when each was scheduled
         self._timed: list[tuple[set[int], list[Scheduled], float]] = []
@@ -174,7 +173,7 @@ class Scheduler:
         max_new_tokens, or the context, is full), or None (it goes on)."""
         if req.matched_stop is not None:
             return "stop"
-        if len(req.output_ids) >= req.params.max_new_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_context:
+        if len(req.output_ids) >= req.params.max_new_tokens or req.known_len >= self.max_context:
             return "length"
         return None
 
@@ -427,8 +426,7 @@ class Scheduler:
         cache; keep using the cache's slots."""
         # (slots past the tokens the host has, a checked draft's rejected guesses or a token still
         # on the device, are freed below)
-        known = len(req.prompt_ids) + len(req.output_ids)
-        computed = min(len(req.slots), known) if upto is None else upto
+        computed = min(len(req.slots), req.known_len) if upto is None else upto
         tokens = req.fill_ids[:computed]
         already = self.cache.insert(tokens, req.slots[:computed])
         inserted = computed // self.cache.page_size * self.cache.page_size
